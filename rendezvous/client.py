@@ -1,0 +1,720 @@
+"""The etcd client tidal uses: one factory, one facade, errors translated once.
+
+:func:`create_client` builds an :class:`EtcdClient` from an :class:`EtcdConfig`
+(several endpoints, a timeout on every call, optional TLS with a client
+certificate, optional user/password). The facade exposes the handful of etcd
+operations tidal needs (get, range, put, delete, transactions, leases, watch
+streams, status, compaction) with plain Python types, and turns every pyetcd or
+gRPC exception into the :mod:`rendezvous.errors` hierarchy. Nothing outside this
+module imports pyetcd or grpc.
+
+Why a facade rather than pyetcd's client directly:
+
+* pyetcd marks an endpoint "failed" for 300 s after one error and, without
+  failover, refuses to use it again until then: an etcd restart would make the
+  client useless for five minutes. We build the endpoints ourselves with a
+  short retry window and keep gRPC's reconnect backoff short.
+* pyetcd's callback watcher drops every watch on a connection error and only
+  logs callback exceptions. :meth:`EtcdClient.watch` is a plain stream the
+  caller iterates; :mod:`rendezvous.watch` builds list-then-watch with
+  reconnects on top of it.
+* pyetcd's default timeout is ``None`` (wait forever). Every call here has one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import grpc
+import pyetcd
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pyetcd import etcdrpc
+from pyetcd import exceptions as pyetcd_exc
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+
+from rendezvous.errors import (
+    EtcdAuthError,
+    EtcdCompactedError,
+    EtcdError,
+    EtcdNoSpaceError,
+    EtcdUnavailableError,
+    LeaseExpiredError,
+)
+from rendezvous.keys import DEFAULT_ROOT, Keys, validate_root
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# gRPC reconnects with exponential backoff up to 120 s by default; after an etcd
+# restart we want to be back within about a second.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class EtcdConfig(BaseModel):
+    """How to reach etcd. Built once per process from its settings.
+
+    Attributes:
+        endpoints: ``host:port`` or ``http(s)://host:port`` strings.
+        timeout_s: deadline of every single etcd call, in seconds.
+        root: key prefix every tidal key lives under.
+        ca_cert: CA bundle; setting it switches to TLS.
+        cert_cert / cert_key: client certificate and key (both or neither).
+        user / password: etcd authentication (both or neither).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
+    timeout_s: float = Field(default=5.0, gt=0, le=300)
+    root: str = DEFAULT_ROOT
+    ca_cert: Path | None = None
+    cert_cert: Path | None = None
+    cert_key: Path | None = None
+    user: str | None = None
+    password: SecretStr | None = None
+
+    @field_validator("endpoints")
+    @classmethod
+    def _check_endpoints(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            parse_endpoint(endpoint)
+        return value
+
+    @field_validator("root")
+    @classmethod
+    def _check_root(cls, value: str) -> str:
+        return validate_root(value)
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``[scheme://]host:port`` into ``(host, port)``.
+
+    Raises:
+        ValueError: the endpoint has no port, a non-numeric port or an
+            unsupported scheme.
+    """
+    rest = endpoint.strip()
+    if "://" in rest:
+        scheme, rest = rest.split("://", 1)
+        if scheme not in ("http", "https"):
+            raise ValueError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
+    rest = rest.rstrip("/")
+    if rest.startswith("["):  # [::1]:2379
+        host, _, port_text = rest[1:].partition("]:")
+    else:
+        host, sep, port_text = rest.rpartition(":")
+        if not sep:
+            raise ValueError(f"etcd endpoint {endpoint!r} has no port (expected host:port)")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"etcd endpoint {endpoint!r} is not host:port with a port in 1-65535")
+    return host, int(port_text)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd holds it."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch."""
+
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchBatch:
+    """The events of one watch response; ``revision`` is the store's revision."""
+
+    revision: int
+    events: tuple[WatchEvent, ...]
+
+
+# Transaction building blocks: plain data, turned into protobuf at the boundary.
+CompareTarget = Literal["version", "create", "mod", "value", "lease"]
+CompareOp = Literal["==", "!=", "<", ">"]
+
+
+@dataclass(frozen=True)
+class Compare:
+    """A transaction guard such as ``Compare(key, "mod", "==", 42)``."""
+
+    key: str
+    target: CompareTarget
+    op: CompareOp
+    value: int | bytes
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+    prefix: bool = False
+
+
+TxnOp = Put | Delete | Get
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """Whether the guards held, and what each ``Get`` of the taken branch saw."""
+
+    succeeded: bool
+    revision: int
+    gets: tuple[tuple[KeyValue, ...], ...]
+
+
+_TARGETS = {
+    "version": etcdrpc.Compare.VERSION,
+    "create": etcdrpc.Compare.CREATE,
+    "mod": etcdrpc.Compare.MOD,
+    "value": etcdrpc.Compare.VALUE,
+    "lease": etcdrpc.Compare.LEASE,
+}
+_OPS = {
+    "==": etcdrpc.Compare.EQUAL,
+    "!=": etcdrpc.Compare.NOT_EQUAL,
+    "<": etcdrpc.Compare.LESS,
+    ">": etcdrpc.Compare.GREATER,
+}
+
+
+def prefix_range_end(prefix: str) -> bytes:
+    """The exclusive end of the key range that starts with ``prefix``."""
+    end = bytearray(prefix.encode())
+    for i in reversed(range(len(end))):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"  # every key
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(
+        key=kv.key.decode(),
+        value=bytes(kv.value),
+        create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision,
+        version=kv.version,
+        lease=kv.lease,
+    )
+
+
+class EtcdClient:
+    """A thin, typed facade over pyetcd with a deadline on every call.
+
+    Build it with :func:`create_client`. Thread-safe: gRPC channels are.
+    Create it after forking worker processes, never before (gRPC channels do
+    not survive ``fork()``).
+    """
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self.config = config
+        self.keys = Keys(config.root)
+        self._timeout = config.timeout_s
+        self._where = ", ".join(config.endpoints)
+        self._client = self._build(config)
+
+    # construction -------------------------------------------------------------
+
+    def _build(self, config: EtcdConfig) -> MultiEndpointEtcd3Client:
+        creds = None
+        if config.secure:
+            if (config.cert_cert is None) != (config.cert_key is None):
+                raise EtcdError("etcd TLS: cert_cert and cert_key must be given together")
+            try:
+                creds = MultiEndpointEtcd3Client.get_secure_creds(
+                    str(config.ca_cert),
+                    str(config.cert_key) if config.cert_key else None,
+                    str(config.cert_cert) if config.cert_cert else None,
+                )
+            except OSError as exc:
+                raise EtcdError(f"etcd TLS: cannot read a certificate file: {exc}") from exc
+        if (config.user is None) != (config.password is None):
+            raise EtcdError("etcd auth: user and password must be given together")
+        # With one endpoint, never mark it failed (retry window 0): an etcd
+        # restart must not lock us out. With several, skip a failed one for 2 s.
+        retry = 0.0 if len(config.endpoints) == 1 else 2.0
+        endpoints = []
+        for text in config.endpoints:
+            host, port = parse_endpoint(text)
+            endpoints.append(
+                Endpoint(
+                    host,
+                    port,
+                    secure=config.secure,
+                    creds=creds,
+                    time_retry=retry,
+                    opts=_GRPC_OPTIONS,
+                )
+            )
+        password = config.password.get_secret_value() if config.password else None
+        return self._translate(
+            "authenticate",
+            lambda: MultiEndpointEtcd3Client(
+                endpoints=endpoints,
+                timeout=self._timeout,
+                user=config.user,
+                password=password,
+                failover=True,
+            ),
+        )
+
+    def close(self) -> None:
+        """Close the gRPC channels. The client is unusable afterwards."""
+        try:
+            self._client.close()
+        except Exception:  # closing twice, or a channel already gone
+            log.debug("closing the etcd client failed", exc_info=True)
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # error translation --------------------------------------------------------
+
+    def _translate(self, what: str, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except EtcdError:
+            raise
+        except (
+            pyetcd_exc.ConnectionFailedError,
+            pyetcd_exc.ConnectionTimeoutError,
+            pyetcd_exc.NoServerAvailableError,
+        ) as exc:
+            raise EtcdUnavailableError(
+                f"etcd at {self._where} did not answer {what} within {self._timeout:g} s "
+                f"({type(exc).__name__})"
+            ) from exc
+        except pyetcd_exc.RevisionCompactedError as exc:
+            raise EtcdCompactedError(
+                f"{what}: revision compacted (oldest kept: {exc.compacted_revision})",
+                exc.compacted_revision,
+            ) from exc
+        except grpc.RpcError as exc:
+            raise self._from_rpc_error(what, exc) from exc
+        except ValueError as exc:  # pyetcd: "Trying to use a failed node"
+            raise EtcdUnavailableError(f"etcd at {self._where}: {what} failed: {exc}") from exc
+
+    def _from_rpc_error(self, what: str, exc: grpc.RpcError) -> EtcdError:
+        code = exc.code() if hasattr(exc, "code") else None
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        detail = detail or ""
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return EtcdAuthError(f"etcd at {self._where} refused {what}: {detail}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space" in detail:
+            return EtcdNoSpaceError(f"etcd at {self._where} is out of space: {detail}")
+        if "lease not found" in detail:
+            return LeaseExpiredError(f"{what}: the lease has expired or was revoked")
+        if code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        ):
+            return EtcdUnavailableError(
+                f"etcd at {self._where} did not answer {what} within {self._timeout:g} s: {detail}"
+            )
+        return EtcdError(f"etcd at {self._where}: {what} failed ({code}): {detail}")
+
+    # key-value ----------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        """The current value of ``key``, or None if it does not exist."""
+
+        def call() -> KeyValue | None:
+            resp = self._client.get_response(key)
+            return _kv(resp.kvs[0]) if resp.count else None
+
+        return self._translate(f"get {key}", call)
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` (sorted by key) and the store revision read at."""
+
+        def call() -> tuple[list[KeyValue], int]:
+            resp = self._client.get_range_response(
+                prefix, prefix_range_end(prefix), sort_order="ascend", sort_target="key"
+            )
+            return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+        return self._translate(f"get prefix {prefix}", call)
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys live under ``prefix``."""
+
+        def call() -> int:
+            resp = self._client.get_range_response(
+                prefix, prefix_range_end(prefix), count_only=True
+            )
+            return int(resp.count)
+
+        return self._translate(f"count prefix {prefix}", call)
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Write ``key``; returns the revision of the write."""
+        resp = self._translate(
+            f"put {key}", lambda: self._client.put(key, value, lease=lease or None)
+        )
+        return int(resp.header.revision)
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        return bool(self._translate(f"delete {key}", lambda: self._client.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+        resp = self._translate(
+            f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix)
+        )
+        return int(resp.deleted)
+
+    def txn(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[TxnOp] = (),
+        failure: Sequence[TxnOp] = (),
+    ) -> TxnResult:
+        """Run an etcd transaction: if every guard holds, ``success``, else ``failure``."""
+        request = etcdrpc.TxnRequest(
+            compare=[self._compare_message(c) for c in compare],
+            success=[self._op_message(op) for op in success],
+            failure=[self._op_message(op) for op in failure],
+        )
+
+        def call() -> TxnResult:
+            client = self._client
+            try:
+                resp = client.kvstub.Txn(
+                    request,
+                    self._timeout,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)
+                raise
+            gets = tuple(
+                tuple(_kv(kv) for kv in r.response_range.kvs)
+                for r in resp.responses
+                if r.WhichOneof("response") == "response_range"
+            )
+            return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
+
+        return self._translate("transaction", call)
+
+    @staticmethod
+    def _compare_message(c: Compare) -> Any:
+        msg = etcdrpc.Compare(key=c.key.encode(), target=_TARGETS[c.target], result=_OPS[c.op])
+        if c.target == "value":
+            msg.value = c.value if isinstance(c.value, bytes) else str(c.value).encode()
+        elif c.target == "version":
+            msg.version = int(c.value)
+        elif c.target == "create":
+            msg.create_revision = int(c.value)
+        elif c.target == "mod":
+            msg.mod_revision = int(c.value)
+        else:
+            msg.lease = int(c.value)
+        return msg
+
+    @staticmethod
+    def _op_message(op: TxnOp) -> Any:
+        if isinstance(op, Put):
+            return etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease)
+            )
+        end = prefix_range_end(op.key) if op.prefix else b""
+        if isinstance(op, Delete):
+            return etcdrpc.RequestOp(
+                request_delete_range=etcdrpc.DeleteRangeRequest(key=op.key.encode(), range_end=end)
+            )
+        return etcdrpc.RequestOp(
+            request_range=etcdrpc.RangeRequest(key=op.key.encode(), range_end=end)
+        )
+
+    # leases ---------------------------------------------------------------------
+
+    def grant_lease(self, ttl_s: int) -> int:
+        """Grant a lease of ``ttl_s`` seconds (etcd raises anything below ~2 s)."""
+        if ttl_s < 1:
+            raise ValueError(f"lease ttl ({ttl_s}) must be at least 1 second")
+        lease = self._translate(f"grant lease ttl={ttl_s}", lambda: self._client.lease(ttl_s))
+        return int(lease.id)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease, deleting its keys. A lease already gone is not an error."""
+        try:
+            self._translate(
+                f"revoke lease {lease_id:x}", lambda: self._client.revoke_lease(lease_id)
+            )
+        except LeaseExpiredError:
+            pass
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Send one keep-alive; returns the lease's new TTL in seconds.
+
+        Raises:
+            LeaseExpiredError: the lease no longer exists.
+        """
+
+        def call() -> int:
+            responses = list(self._client.refresh_lease(lease_id))
+            return int(responses[0].TTL) if responses else 0
+
+        ttl = self._translate(f"refresh lease {lease_id:x}", call)
+        if ttl <= 0:
+            raise LeaseExpiredError(f"lease {lease_id:x} has expired")
+        return ttl
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Remaining TTL of a lease in seconds; -1 if it does not exist."""
+        info = self._translate(
+            f"lease ttl {lease_id:x}", lambda: self._client.get_lease_info(lease_id)
+        )
+        return int(info.TTL)
+
+    # cluster --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The answering member's version, db size, raft term and the store revision."""
+
+        def call() -> dict[str, Any]:
+            client = self._client
+            try:
+                resp = client.maintenancestub.Status(
+                    etcdrpc.StatusRequest(),
+                    self._timeout,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)
+                raise
+            return {
+                "version": resp.version,
+                "db_size": resp.dbSize,
+                "leader": resp.leader,
+                "raft_term": resp.raftTerm,
+                "revision": resp.header.revision,
+            }
+
+        return self._translate("status", call)
+
+    def compact(self, revision: int) -> None:
+        """Compact the history up to ``revision``; watches older than it fail."""
+        self._translate(f"compact {revision}", lambda: self._client.compact(revision))
+
+    # watch -----------------------------------------------------------------------
+
+    def watch(self, key: str, *, prefix: bool, start_revision: int) -> WatchStream:
+        """Open a watch stream on ``key`` (or every key under it) from ``start_revision``.
+
+        The stream is a plain iterator of :class:`WatchBatch`; it ends when
+        :meth:`WatchStream.cancel` is called and raises
+        :class:`EtcdCompactedError` or :class:`EtcdUnavailableError` when the
+        watch can no longer deliver every event. Reconnecting (re-list, then
+        re-watch) is the caller's job: see :mod:`rendezvous.watch`.
+        """
+        create = etcdrpc.WatchCreateRequest(
+            key=key.encode(),
+            range_end=prefix_range_end(key) if prefix else b"",
+            start_revision=start_revision,
+            progress_notify=True,
+        )
+
+        def open_call(requests: Iterator[Any]) -> Any:
+            client = self._client
+            stub = etcdrpc.WatchStub(client.channel)
+            return stub.Watch(requests, credentials=client.call_credentials, metadata=client.metadata)
+
+        return WatchStream(
+            what=f"watch {key}",
+            create=etcdrpc.WatchRequest(create_request=create),
+            open_call=lambda requests: self._translate(f"watch {key}", lambda: open_call(requests)),
+            translate=self._from_rpc_error,
+            create_timeout_s=self._timeout,
+        )
+
+
+class WatchStream:
+    """One etcd watch stream, iterated by one consumer thread.
+
+    ``cancel()`` may be called from any thread; iteration then stops cleanly.
+    """
+
+    def __init__(
+        self,
+        *,
+        what: str,
+        create: Any,
+        open_call: Callable[[Iterator[Any]], Any],
+        translate: Callable[[str, grpc.RpcError], EtcdError],
+        create_timeout_s: float,
+    ) -> None:
+        self._what = what
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._requests.put(create)
+        self._translate = translate
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self._call = open_call(self._request_iter())
+        # A watch whose stream never answers (etcd gone mid-handshake) must not
+        # hang its consumer: cancel it if "created" has not arrived in time.
+        self._timer = threading.Timer(create_timeout_s, self._create_deadline)
+        self._timer.daemon = True
+        self._timer.start()
+        self._create_timed_out = False
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def _create_deadline(self) -> None:
+        if not self._created.is_set():
+            self._create_timed_out = True
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        """Stop the stream; the iterating thread sees the end of iteration."""
+        self._cancelled.set()
+        self._timer.cancel()
+        self._requests.put(None)
+        self._call.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def __iter__(self) -> Iterator[WatchBatch]:
+        try:
+            for resp in self._call:
+                if resp.created:
+                    self._created.set()
+                    self._timer.cancel()
+                if resp.compact_revision:
+                    raise EtcdCompactedError(
+                        f"{self._what}: revision compacted (oldest kept: {resp.compact_revision})",
+                        int(resp.compact_revision),
+                    )
+                if resp.canceled:
+                    if self._cancelled.is_set():
+                        return
+                    raise EtcdError(f"{self._what} was cancelled by etcd: {resp.cancel_reason}")
+                if resp.created and not resp.events:
+                    continue
+                yield WatchBatch(
+                    revision=int(resp.header.revision),
+                    events=tuple(
+                        WatchEvent(
+                            kind="delete" if ev.type == ev.DELETE else "put",
+                            key=ev.kv.key.decode(),
+                            value=bytes(ev.kv.value),
+                            mod_revision=ev.kv.mod_revision,
+                            create_revision=ev.kv.create_revision,
+                            lease=ev.kv.lease,
+                        )
+                        for ev in resp.events
+                    ),
+                )
+        except grpc.RpcError as exc:
+            if self._cancelled.is_set():
+                return
+            if self._create_timed_out:
+                raise EtcdUnavailableError(f"{self._what}: etcd did not open the watch in time") from exc
+            raise self._translate(self._what, exc) from exc
+        finally:
+            self._timer.cancel()
+
+
+def create_client(config: EtcdConfig, *, probe: bool = True) -> EtcdClient:
+    """Build the etcd client of this process.
+
+    Args:
+        config: endpoints, timeout, TLS, credentials and key root.
+        probe: ask etcd for its status once, so that an unreachable etcd or a
+            refused certificate is reported here, within ``config.timeout_s``,
+            rather than on first use.
+
+    Returns:
+        A ready :class:`EtcdClient`.
+
+    Raises:
+        EtcdUnavailableError: no endpoint answered within the timeout.
+        EtcdAuthError: etcd refused the credentials.
+        EtcdError: the configuration is unusable (a certificate cannot be read).
+    """
+    client = EtcdClient(config)
+    if probe:
+        try:
+            client.status()
+        except BaseException:
+            client.close()
+            raise
+    return client
+
+
+__all__ = [
+    "Compare",
+    "Delete",
+    "EtcdClient",
+    "EtcdConfig",
+    "Get",
+    "KeyValue",
+    "Put",
+    "TxnResult",
+    "WatchBatch",
+    "WatchEvent",
+    "WatchStream",
+    "create_client",
+    "parse_endpoint",
+    "prefix_range_end",
+]

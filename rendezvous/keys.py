@@ -1,0 +1,150 @@
+"""The one module that owns tidal's etcd key layout.
+
+Every key tidal reads or writes is built here; no other module writes a key
+literal. Identifiers that become part of a key (job ids, node ids) are
+validated first, so a user-supplied name can never escape its prefix
+(no ``/``, no ``..``, bounded length, a conservative charset).
+
+Layout (``P`` is the root prefix, ``/tidal`` by default)::
+
+    P/jobs/<job>                    job spec + desired state (JSON)
+    P/nodes/<node>                  live node record, attached to the node's lease
+    P/assignments/<node>/<job>      which jobs a node must run
+    P/status/<job>/<node>           what a node's agent reports for a job
+    P/events/<job>/<seq>            job lifecycle events
+    P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
+    P/rdzv/<job>/store/<key>        the c10d Store of that rendezvous
+    P/election/<name>/<lease>       leader election candidates
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_ROOT = "/tidal"
+
+# Names that end up in keys, paths and process arguments: start with an
+# alphanumeric, then alphanumerics, '.', '_' or '-'; at most 63 characters
+# (a DNS label's length, so node ids can be hostnames).
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class InvalidIdentifierError(ValueError):
+    """A name that would become part of an etcd key is not acceptable."""
+
+
+def validate_id(value: str, *, what: str = "identifier") -> str:
+    """Return ``value`` if it is safe to embed in a key, else raise.
+
+    Args:
+        value: the candidate identifier.
+        what: what the value names ("job id", "node id"), for the message.
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        InvalidIdentifierError: the value is empty, too long, contains a
+            character outside ``[A-Za-z0-9._-]``, starts with a punctuation
+            character, or is ``.``/``..``.
+    """
+    if not isinstance(value, str):
+        raise InvalidIdentifierError(f"{what} must be a string, not {type(value).__name__}")
+    if not _ID_RE.match(value) or value in (".", ".."):
+        raise InvalidIdentifierError(
+            f"{what} {value!r} is not valid: use 1-63 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def validate_root(root: str) -> str:
+    """Check a key root such as ``/tidal`` or ``/tidal-test-3``.
+
+    Raises:
+        InvalidIdentifierError: the root does not start with ``/``, ends with
+            ``/`` or has a component that is not a valid identifier.
+    """
+    if not root.startswith("/") or root.endswith("/"):
+        raise InvalidIdentifierError(f"key root {root!r} must start with '/' and not end with '/'")
+    for part in root[1:].split("/"):
+        validate_id(part, what="key root component")
+    return root
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Builds every key under one root prefix.
+
+    Methods return ``str`` keys; ``*_prefix`` methods return prefixes that end
+    in ``/`` so that ``job-1`` never matches ``job-10``.
+    """
+
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        validate_root(self.root)
+
+    # jobs
+    def jobs_prefix(self) -> str:
+        return f"{self.root}/jobs/"
+
+    def job(self, job_id: str) -> str:
+        return self.jobs_prefix() + validate_id(job_id, what="job id")
+
+    # nodes
+    def nodes_prefix(self) -> str:
+        return f"{self.root}/nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes_prefix() + validate_id(node_id, what="node id")
+
+    # assignments
+    def assignments_prefix(self) -> str:
+        return f"{self.root}/assignments/"
+
+    def node_assignments_prefix(self, node_id: str) -> str:
+        return f"{self.assignments_prefix()}{validate_id(node_id, what='node id')}/"
+
+    def assignment(self, node_id: str, job_id: str) -> str:
+        return self.node_assignments_prefix(node_id) + validate_id(job_id, what="job id")
+
+    # status
+    def status_prefix(self) -> str:
+        return f"{self.root}/status/"
+
+    def job_status_prefix(self, job_id: str) -> str:
+        return f"{self.status_prefix()}{validate_id(job_id, what='job id')}/"
+
+    def status(self, job_id: str, node_id: str) -> str:
+        return self.job_status_prefix(job_id) + validate_id(node_id, what="node id")
+
+    # events
+    def job_events_prefix(self, job_id: str) -> str:
+        return f"{self.root}/events/{validate_id(job_id, what='job id')}/"
+
+    def event(self, job_id: str, seq: int) -> str:
+        if seq < 0:
+            raise ValueError(f"event sequence number ({seq}) must be >= 0")
+        # Zero-padded so that etcd's byte order is the numeric order.
+        return f"{self.job_events_prefix(job_id)}{seq:012d}"
+
+    # rendezvous (torch elastic, etcd-v3 backend)
+    def rdzv_prefix(self, run_id: str) -> str:
+        return f"{self.root}/rdzv/{validate_id(run_id, what='rendezvous run id')}/"
+
+    def rdzv_state(self, run_id: str) -> str:
+        return self.rdzv_prefix(run_id) + "state"
+
+    def rdzv_store_prefix(self, run_id: str) -> str:
+        return self.rdzv_prefix(run_id) + "store/"
+
+    # leader election
+    def election_prefix(self, name: str) -> str:
+        return f"{self.root}/election/{validate_id(name, what='election name')}/"
+
+    def election_candidate(self, name: str, lease_id: int) -> str:
+        # Hex of the lease id: unique per candidate, and it names the lease
+        # that fences the candidate's writes.
+        return f"{self.election_prefix(name)}{lease_id:016x}"

@@ -1,0 +1,76 @@
+"""Start test processes in their own process groups and always stop them.
+
+Every process a test starts goes through :class:`ProcessGroupRegistry`, whose
+``stop_all`` (called by the ``procs`` fixture at teardown, even when the test
+failed) SIGKILLs each group and reaps it, so no orphan survives a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class ProcessGroupRegistry:
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` (never through a shell) in a new session, output to ``log_path``."""
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        self._procs.append(proc)
+        return proc
+
+    @staticmethod
+    def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    def kill_group(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the whole process group of ``proc`` and reap ``proc``."""
+        self.signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for proc in self._procs:
+            self.kill_group(proc)
+        self._procs.clear()
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs still alive in process group ``pgid`` (zombies excluded)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name, which is in parentheses.
+        fields = stat.rsplit(")", 1)[1].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
