@@ -1,0 +1,470 @@
+"""The etcd-v3 rendezvous backend and c10d Store for torch.distributed.elastic.
+
+torch ships an ``etcd`` and an ``etcd-v2`` backend, both on etcd's v2 API,
+which etcd 3.5 disables by default and 3.6 removed. This module is the v3
+equivalent, plugged into torch's own ``DynamicRendezvousHandler``:
+
+* :class:`EtcdV3RendezvousBackend` keeps the rendezvous state in one key and
+  implements compare-and-set on that key's mod revision (the token);
+* :class:`EtcdV3Store` is the c10d ``Store`` the handler (and the elastic
+  agent's rank assignment and barriers) uses, kept in etcd too, so no agent
+  hosts the rendezvous store and killing any node, the first one included,
+  cannot take the store down with it;
+* :func:`handler_factory` is the ``torchrun.handlers`` entry point, so plain
+  ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:PORT`` works.
+
+Every key is written under a lease (``key_ttl``, two hours by default, renewed
+as the state is rewritten on each heartbeat), so a finished or abandoned
+job's rendezvous keys disappear by themselves; :func:`delete_rendezvous`
+removes them at once.
+
+Why TCP-store sharing is turned off: since torch 2.4 the rank-0 agent hosts a
+TCPStore shared with its workers and publishes its address only when it first
+becomes rank 0. A node that joins a later round then waits for a MASTER_ADDR
+that the still-rank-0 survivor never publishes again (observed: both agents
+give up after 60 s). With sharing off, each round's rank 0 publishes a fresh
+MASTER_ADDR/MASTER_PORT into that round's store, and the workers' own
+TCPStore lives and dies with the round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed import DistStoreError, Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+
+from rendezvous.client import (
+    Compare,
+    Delete,
+    EtcdClient,
+    EtcdConfig,
+    Get,
+    KeyValue,
+    Put,
+    create_client,
+)
+from rendezvous.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
+from rendezvous.keys import DEFAULT_ROOT, Keys, validate_id
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "etcd-v3"
+
+# Defaults chosen for fast recovery without a fragile rendezvous; see
+# docs/architecture.md ("Rendezvous tuning"). torch's own: 5 s x 3 keep-alive,
+# 30 s last call.
+DEFAULT_RDZV_CONF: dict[str, str] = {
+    "keep_alive_interval": "1",
+    "keep_alive_max_attempt": "5",
+    "last_call_timeout": "2",
+    "join_timeout": "600",
+    "close_timeout": "30",
+}
+DEFAULT_KEY_TTL_S = 7200
+DEFAULT_ETCD_TIMEOUT_S = 10.0
+
+
+def _rendezvous_error(what: str, exc: EtcdError) -> RendezvousConnectionError:
+    return RendezvousConnectionError(f"etcd-v3 rendezvous: {what} failed: {exc}")
+
+
+class _LeaseCache:
+    """Hands out a lease for key TTLs, granting a new one when half its TTL is used.
+
+    One lease per process (not per key) keeps the number of leases small;
+    rewriting a key with a newer lease extends its life.
+    """
+
+    def __init__(self, client: EtcdClient, ttl_s: int) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._lease_id = 0
+        self._granted_at = 0.0
+
+    def get(self) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if not self._lease_id or now - self._granted_at > self._ttl_s / 2:
+                self._lease_id = self._client.grant_lease(self._ttl_s)
+                self._granted_at = now
+            return self._lease_id
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._lease_id = 0
+
+    def with_lease(self, write: Callable[[int], Any]) -> Any:
+        """Run ``write(lease_id)``; on a vanished lease, grant a new one and retry once."""
+        try:
+            return write(self.get())
+        except LeaseExpiredError:
+            self.invalidate()
+            return write(self.get())
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """The rendezvous state of one run, in one etcd key, with compare-and-set.
+
+    The token is the key's mod revision as a string. ``set_state`` with no
+    token creates the key only if it does not exist; with a token, it writes
+    only if the key's mod revision still equals it. Either way it returns the
+    state etcd holds afterwards, its token, and whether this write won.
+
+    Args:
+        client: the etcd client.
+        run_id: the rendezvous (job) id; validated, it becomes part of a key.
+        key_ttl_s: lifetime of the state key once nobody rewrites it.
+    """
+
+    def __init__(
+        self, client: EtcdClient, run_id: str, *, key_ttl_s: int = DEFAULT_KEY_TTL_S
+    ) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._key = client.keys.rdzv_state(validate_id(run_id, what="rendezvous run id"))
+        self._leases = _LeaseCache(client, key_ttl_s)
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return BACKEND_NAME
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class."""
+        try:
+            kv = self._client.get(self._key)
+        except EtcdError as exc:
+            raise _rendezvous_error("reading the state", exc) from exc
+        return None if kv is None else (kv.value, str(kv.mod_revision))
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """See base class."""
+        if token is None:
+            expected = 0  # create_revision/mod_revision of an absent key
+        else:
+            try:
+                expected = int(token)
+            except (TypeError, ValueError):
+                # Not one of our tokens: it cannot match; report the current state.
+                current = self.get_state()
+                return None if current is None else (*current, False)
+
+        def write(lease: int) -> Any:
+            return self._client.txn(
+                [Compare(self._key, "mod", "==", expected)],
+                success=[Put(self._key, state, lease=lease), Get(self._key)],
+                failure=[Get(self._key)],
+            )
+
+        try:
+            result = self._leases.with_lease(write)
+        except EtcdError as exc:
+            raise _rendezvous_error("writing the state", exc) from exc
+        kvs = result.gets[0]
+        if not kvs:  # deleted between our compare and get: nothing to report
+            return None
+        return kvs[0].value, str(kvs[0].mod_revision), result.succeeded
+
+
+class EtcdV3Store(Store):
+    """A c10d ``Store`` kept in etcd under one prefix.
+
+    Values are stored as raw bytes; keys as given, under ``prefix``. Blocking
+    reads (``get``, ``wait``, ``multi_get``) wait on an etcd watch, not by
+    polling, until the keys exist or the store's timeout passes, and then
+    raise ``torch.distributed.DistStoreError`` as TCPStore does.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        *,
+        key_ttl_s: int = DEFAULT_KEY_TTL_S,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+    ) -> None:
+        super().__init__()  # required by the pybind trampoline
+        if not prefix.endswith("/"):
+            raise ValueError(f"store prefix {prefix!r} must end with '/'")
+        self._client = client
+        self._prefix = prefix
+        self._leases = _LeaseCache(client, key_ttl_s)
+        self.set_timeout(timeout)
+
+    def _key(self, key: str | bytes) -> str:
+        text = key.decode() if isinstance(key, bytes) else str(key)
+        return self._prefix + text
+
+    @staticmethod
+    def _bytes(value: str | bytes | Sequence[int]) -> bytes:
+        if isinstance(value, bytes):
+            return value
+        if isinstance(value, str):
+            return value.encode()
+        return bytes(value)
+
+    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: {what} failed: {exc}") from exc
+
+    # writes ----------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        data = self._bytes(value)
+        self._call(
+            f"set {key}",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.put(self._key(key), data, lease=lease)
+            ),
+        )
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        puts = [(self._key(k), self._bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._call(
+            "multi_set",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.txn(
+                    [], success=[Put(k, v, lease=lease) for k, v in puts]
+                )
+            ),
+        )
+
+    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        """Atomically add ``amount`` to the decimal integer at ``key`` (0 if absent)."""
+        full = self._key(key)
+        while True:
+            kv: KeyValue | None = self._call(f"add {key}", lambda: self._client.get(full))
+            current = int(kv.value) if kv is not None else 0
+            new = str(current + amount).encode()
+            expected = kv.mod_revision if kv is not None else 0
+            result = self._call(
+                f"add {key}",
+                lambda: self._leases.with_lease(
+                    lambda lease: self._client.txn(
+                        [Compare(full, "mod", "==", expected)],
+                        success=[Put(full, new, lease=lease)],
+                    )
+                ),
+            )
+            if result.succeeded:
+                return current + amount
+
+    def compare_set(  # type: ignore[override]
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """TCPStore's semantics: swap if the value equals ``expected_value``.
+
+        An absent key counts as matching an empty ``expected_value``. Returns
+        the value the key holds afterwards (or ``expected_value`` when the key
+        is absent and ``expected_value`` is not empty, as TCPStore does).
+        """
+        full = self._key(key)
+        expected = self._bytes(expected_value)
+        desired = self._bytes(desired_value)
+        guard = (
+            Compare(full, "create", "==", 0)
+            if not expected
+            else Compare(full, "value", "==", expected)
+        )
+        result = self._call(
+            f"compare_set {key}",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.txn(
+                    [guard], success=[Put(full, desired, lease=lease)], failure=[Get(full)]
+                )
+            ),
+        )
+        if result.succeeded:
+            return desired
+        current = result.gets[0]
+        return current[0].value if current else expected
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        return bool(self._call(f"delete {key}", lambda: self._client.delete(self._key(key))))
+
+    # reads -----------------------------------------------------------------
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        return int(self._call("num_keys", lambda: self._client.count_prefix(self._prefix)))
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        found, _ = self._read(keys)
+        return len(found) == len(keys)
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        return self._wait_get([key], None)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        return self._wait_get(keys, None)
+
+    def wait(  # type: ignore[override]
+        self, keys: list[str], timeout: datetime.timedelta | None = None
+    ) -> None:
+        self._wait_get(keys, timeout)
+
+    def _read(self, keys: Sequence[str]) -> tuple[dict[str, bytes], int]:
+        """One consistent read of ``keys``: what exists, and the revision read at."""
+        fulls = [self._key(k) for k in keys]
+        result = self._call("read", lambda: self._client.txn([], success=[Get(f) for f in fulls]))
+        found = {kvs[0].key: kvs[0].value for kvs in result.gets if kvs}
+        return found, result.revision
+
+    def _wait_get(
+        self, keys: Sequence[str], timeout: datetime.timedelta | None
+    ) -> list[bytes]:
+        limit = (timeout if timeout is not None else self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        fulls = [self._key(k) for k in keys]
+        while True:
+            try:
+                found, revision = self._read(keys)
+                if len(found) == len(fulls):
+                    return [found[f] for f in fulls]
+                self._watch_until(set(fulls) - set(found), revision + 1, deadline)
+            except DistStoreError as exc:
+                # etcd briefly unavailable: keep trying until the deadline.
+                if not isinstance(exc.__cause__, EtcdUnavailableError):
+                    raise
+                time.sleep(0.1)
+            if time.monotonic() >= deadline:
+                found, _ = self._read(keys)
+                if len(found) == len(fulls):
+                    return [found[f] for f in fulls]
+                missing = sorted(k for k, f in zip(keys, fulls, strict=True) if f not in found)
+                raise DistStoreError(
+                    f"etcd-v3 store: timed out after {limit:g} s waiting for keys {missing}"
+                )
+
+    def _watch_until(self, missing: set[str], start_revision: int, deadline: float) -> None:
+        """Block until every key in ``missing`` is put, or the deadline passes."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            stream = self._client.watch(self._prefix, prefix=True, start_revision=start_revision)
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
+        timer = threading.Timer(remaining, stream.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            for batch in stream:
+                for event in batch.events:
+                    if event.kind == "put":
+                        missing.discard(event.key)
+                if not missing:
+                    return
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
+        finally:
+            timer.cancel()
+            stream.cancel()
+
+
+def delete_rendezvous(client: EtcdClient, run_id: str) -> int:
+    """Delete every key of a run's rendezvous (state and store); returns how many."""
+    return client.delete_prefix(client.keys.rdzv_prefix(run_id))
+
+
+def _etcd_config(params: RendezvousParameters) -> EtcdConfig:
+    endpoints = [e.strip() for e in (params.endpoint or "").split(",") if e.strip()]
+    if not endpoints:
+        raise ValueError("etcd-v3 rendezvous: --rdzv-endpoint must name at least one etcd HOST:PORT")
+    password = os.environ.get("TIDAL_ETCD_PASSWORD")
+    return EtcdConfig(
+        endpoints=endpoints,
+        timeout_s=float(params.get("etcd_timeout", DEFAULT_ETCD_TIMEOUT_S)),
+        root=str(params.get("key_root", os.environ.get("TIDAL_ETCD_ROOT", DEFAULT_ROOT))),
+        ca_cert=params.get("ca_cert"),
+        cert_cert=params.get("ssl_cert"),
+        cert_key=params.get("ssl_cert_key"),
+        user=params.get("user", os.environ.get("TIDAL_ETCD_USER")),
+        password=password,  # type: ignore[arg-type]  # pydantic wraps str in SecretStr
+    )
+
+
+def create_backend(
+    params: RendezvousParameters, *, client: EtcdClient | None = None
+) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """Create the backend and store of one rendezvous from torchrun's parameters.
+
+    Recognised ``--rdzv-conf`` keys besides torch's own: ``etcd_timeout``
+    (seconds per etcd call, default 10), ``key_ttl`` (seconds a key outlives
+    its last write, default 7200), ``key_root`` (default ``/tidal``), ``ca_cert``,
+    ``ssl_cert``, ``ssl_cert_key``, ``user`` (password from ``TIDAL_ETCD_PASSWORD``).
+
+    Raises:
+        RendezvousConnectionError: etcd cannot be reached.
+        ValueError: a parameter is invalid.
+    """
+    key_ttl = params.get_as_int("key_ttl", DEFAULT_KEY_TTL_S) or DEFAULT_KEY_TTL_S
+    if client is None:
+        try:
+            client = create_client(_etcd_config(params))
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"etcd-v3 rendezvous: {exc}") from exc
+    keys: Keys = client.keys
+    backend = EtcdV3RendezvousBackend(client, params.run_id, key_ttl_s=key_ttl)
+    store = EtcdV3Store(client, keys.rdzv_store_prefix(params.run_id), key_ttl_s=key_ttl)
+    return backend, store
+
+
+def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build torch's DynamicRendezvousHandler on the etcd-v3 backend.
+
+    tidal's defaults (:data:`DEFAULT_RDZV_CONF`) fill in whatever
+    ``--rdzv-conf`` leaves out.
+    """
+    for key, value in DEFAULT_RDZV_CONF.items():
+        params.config.setdefault(key, value)
+    # See the module docstring: each round publishes its own master address.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers the result."""
+    return create_etcd_v3_handler
+
+
+__all__ = [
+    "BACKEND_NAME",
+    "DEFAULT_RDZV_CONF",
+    "EtcdV3RendezvousBackend",
+    "EtcdV3Store",
+    "RendezvousStateError",
+    "create_backend",
+    "create_etcd_v3_handler",
+    "delete_rendezvous",
+    "handler_factory",
+]
