@@ -1,0 +1,1 @@
+"""Example training scripts and demos for tidal."""
