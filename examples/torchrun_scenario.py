@@ -99,7 +99,8 @@ class TorchrunCluster:
         ]
         if self.rdzv_conf:
             cmd.append(f"--rdzv-conf={self.rdzv_conf}")
-        return cmd + [
+        return [
+            *cmd,
             str(SCRIPT),
             "--checkpoint", str(self.workdir / f"{name}.pt"),
             "--events", str(self.events_path),
@@ -225,7 +226,7 @@ def run_kill_and_join(cluster: TorchrunCluster, *, say: Callable[[str], None]) -
     say(f"a and b train together at world size 2 (step {first_two['step']})")
     before = max(r["step"] for r in cluster.records())
     t_kill = time.time()
-    say(f"SIGKILL node a, torchrun and its worker (the node that created the rendezvous), at step {before}")
+    say(f"SIGKILL node a (torchrun + worker; it created the rendezvous) at step {before}")
     cluster.kill_node("a")
     after_kill = cluster.wait_for_world({"b"}, 1, after=t_kill, timeout=90)
     kill_s = after_kill["time"] - t_kill
@@ -235,7 +236,7 @@ def run_kill_and_join(cluster: TorchrunCluster, *, say: Callable[[str], None]) -
     cluster.start_node("c")
     joined = cluster.wait_for_world({"b", "c"}, 2, after=t_join, timeout=90)
     join_s = joined["time"] - t_join
-    say(f"b and c train together at world size 2 from step {joined['step']} after {join_s:.1f} s")
+    say(f"b and c train at world size 2 from step {joined['step']} after {join_s:.1f} s")
     cluster.stop()
     say("stop file written; both nodes finished")
     return ScenarioResult(

@@ -23,6 +23,7 @@ Why a facade rather than pyetcd's client directly:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import grpc
-import pyetcd
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pyetcd import etcdrpc
 from pyetcd import exceptions as pyetcd_exc
@@ -489,12 +489,10 @@ class EtcdClient:
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting its keys. A lease already gone is not an error."""
-        try:
+        with contextlib.suppress(LeaseExpiredError):
             self._translate(
                 f"revoke lease {lease_id:x}", lambda: self._client.revoke_lease(lease_id)
             )
-        except LeaseExpiredError:
-            pass
 
     def refresh_lease(self, lease_id: int) -> int:
         """Send one keep-alive; returns the lease's new TTL in seconds.
@@ -571,12 +569,16 @@ class EtcdClient:
         def open_call(requests: Iterator[Any]) -> Any:
             client = self._client
             stub = etcdrpc.WatchStub(client.channel)
-            return stub.Watch(requests, credentials=client.call_credentials, metadata=client.metadata)
+            return stub.Watch(
+                requests, credentials=client.call_credentials, metadata=client.metadata
+            )
 
         return WatchStream(
             what=f"watch {key}",
             create=etcdrpc.WatchRequest(create_request=create),
-            open_call=lambda requests: self._translate(f"watch {key}", lambda: open_call(requests)),
+            open_call=lambda requests: self._translate(
+                f"watch {key}", lambda: open_call(requests)
+            ),
             translate=self._from_rpc_error,
             create_timeout_s=self._timeout,
         )
@@ -669,7 +671,9 @@ class WatchStream:
             if self._cancelled.is_set():
                 return
             if self._create_timed_out:
-                raise EtcdUnavailableError(f"{self._what}: etcd did not open the watch in time") from exc
+                raise EtcdUnavailableError(
+                    f"{self._what}: etcd did not open the watch in time"
+                ) from exc
             raise self._translate(self._what, exc) from exc
         finally:
             self._timer.cancel()

@@ -29,6 +29,7 @@ TCPStore lives and dies with the round.
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import logging
 import os
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.distributed import DistStoreError, Store
+from torch.distributed import DistStoreError, Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
@@ -52,7 +53,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from rendezvous.client import (
     Compare,
-    Delete,
     EtcdClient,
     EtcdConfig,
     Get,
@@ -266,15 +266,12 @@ class EtcdV3Store(Store):
             current = int(kv.value) if kv is not None else 0
             new = str(current + amount).encode()
             expected = kv.mod_revision if kv is not None else 0
-            result = self._call(
-                f"add {key}",
-                lambda: self._leases.with_lease(
-                    lambda lease: self._client.txn(
-                        [Compare(full, "mod", "==", expected)],
-                        success=[Put(full, new, lease=lease)],
-                    )
-                ),
-            )
+            guard = Compare(full, "mod", "==", expected)
+
+            def write(lease: int, guard: Compare = guard, new: bytes = new) -> Any:
+                return self._client.txn([guard], success=[Put(full, new, lease=lease)])
+
+            result = self._call(f"add {key}", lambda: self._leases.with_lease(write))
             if result.succeeded:
                 return current + amount
 
@@ -341,7 +338,8 @@ class EtcdV3Store(Store):
     def _wait_get(
         self, keys: Sequence[str], timeout: datetime.timedelta | None
     ) -> list[bytes]:
-        limit = (timeout if timeout is not None else self.timeout).total_seconds()
+        store_timeout: datetime.timedelta = self.timeout  # type: ignore[attr-defined]
+        limit = (timeout if timeout is not None else store_timeout).total_seconds()
         deadline = time.monotonic() + limit
         fulls = [self._key(k) for k in keys]
         while True:
@@ -364,7 +362,9 @@ class EtcdV3Store(Store):
                     f"etcd-v3 store: timed out after {limit:g} s waiting for keys {missing}"
                 )
 
-    def _watch_until(self, missing: set[str], start_revision: int, deadline: float) -> None:
+    def _watch_until(
+        self, missing: builtins.set[str], start_revision: int, deadline: float
+    ) -> None:
         """Block until every key in ``missing`` is put, or the deadline passes."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -398,7 +398,7 @@ def delete_rendezvous(client: EtcdClient, run_id: str) -> int:
 def _etcd_config(params: RendezvousParameters) -> EtcdConfig:
     endpoints = [e.strip() for e in (params.endpoint or "").split(",") if e.strip()]
     if not endpoints:
-        raise ValueError("etcd-v3 rendezvous: --rdzv-endpoint must name at least one etcd HOST:PORT")
+        raise ValueError("etcd-v3 rendezvous: --rdzv-endpoint must name an etcd HOST:PORT")
     password = os.environ.get("TIDAL_ETCD_PASSWORD")
     return EtcdConfig(
         endpoints=endpoints,

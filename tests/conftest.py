@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer, find_etcd_binary, etcd_version, is_durable_version
+from rendezvous.etcd_server import EtcdServer, etcd_version, find_etcd_binary, is_durable_version
 from tests.support.processes import ProcessGroupRegistry
 
 _roots = itertools.count()

