@@ -1,0 +1,29 @@
+"""Importing rendezvous (all but the torch backend) must not import torch.
+
+The coordinator imports rendezvous and must stay light; only
+rendezvous/torch_backend.py may import torch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHECK = """
+import importlib, pkgutil, sys
+import rendezvous
+names = [m.name for m in pkgutil.iter_modules(rendezvous.__path__) if m.name != "torch_backend"]
+for name in names:
+    importlib.import_module("rendezvous." + name)
+assert "torch" not in sys.modules, "torch was imported by rendezvous"
+print(",".join(sorted(names)))
+"""
+
+
+def test_rendezvous_modules_import_without_torch():
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    imported = out.stdout.strip().split(",")
+    assert {"client", "keys", "errors", "etcd_server"} <= set(imported)
