@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed import DistStoreError, Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
@@ -64,6 +64,7 @@ from rendezvous.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
 from rendezvous.keys import DEFAULT_ROOT, Keys, validate_id
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BACKEND_NAME = "etcd-v3"
 
@@ -79,10 +80,34 @@ DEFAULT_RDZV_CONF: dict[str, str] = {
 }
 DEFAULT_KEY_TTL_S = 7200
 DEFAULT_ETCD_TIMEOUT_S = 10.0
+# How long a call keeps retrying while etcd is unreachable before it gives up.
+# torch's agent calls the backend from its monitor loop and dies on the first
+# error, which would turn an etcd restart into a lost job on every node.
+DEFAULT_OUTAGE_GRACE_S = 60.0
 
 
 def _rendezvous_error(what: str, exc: EtcdError) -> RendezvousConnectionError:
     return RendezvousConnectionError(f"etcd-v3 rendezvous: {what} failed: {exc}")
+
+
+def _ride_out_outage(what: str, call: Callable[[], T], grace_s: float) -> T:
+    """Run ``call``; while etcd is unreachable, retry with backoff for ``grace_s``.
+
+    Raises:
+        EtcdUnavailableError: etcd stayed unreachable for ``grace_s`` seconds.
+        EtcdError: any other etcd error, at once.
+    """
+    deadline = time.monotonic() + grace_s
+    delay = 0.1
+    while True:
+        try:
+            return call()
+        except EtcdUnavailableError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("etcd unreachable during %s (%s); retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 class _LeaseCache:
@@ -132,14 +157,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         client: the etcd client.
         run_id: the rendezvous (job) id; validated, it becomes part of a key.
         key_ttl_s: lifetime of the state key once nobody rewrites it.
+        outage_grace_s: how long a call retries while etcd is unreachable.
     """
 
     def __init__(
-        self, client: EtcdClient, run_id: str, *, key_ttl_s: int = DEFAULT_KEY_TTL_S
+        self,
+        client: EtcdClient,
+        run_id: str,
+        *,
+        key_ttl_s: int = DEFAULT_KEY_TTL_S,
+        outage_grace_s: float = DEFAULT_OUTAGE_GRACE_S,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
+        self._grace_s = outage_grace_s
         self._key = client.keys.rdzv_state(validate_id(run_id, what="rendezvous run id"))
         self._leases = _LeaseCache(client, key_ttl_s)
 
@@ -155,7 +187,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
         try:
-            kv = self._client.get(self._key)
+            kv = _ride_out_outage(
+                "reading the state", lambda: self._client.get(self._key), self._grace_s
+            )
         except EtcdError as exc:
             raise _rendezvous_error("reading the state", exc) from exc
         return None if kv is None else (kv.value, str(kv.mod_revision))
@@ -182,7 +216,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             )
 
         try:
-            result = self._leases.with_lease(write)
+            result = _ride_out_outage(
+                "writing the state", lambda: self._leases.with_lease(write), self._grace_s
+            )
         except EtcdError as exc:
             raise _rendezvous_error("writing the state", exc) from exc
         kvs = result.gets[0]
@@ -207,11 +243,13 @@ class EtcdV3Store(Store):
         *,
         key_ttl_s: int = DEFAULT_KEY_TTL_S,
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        outage_grace_s: float = DEFAULT_OUTAGE_GRACE_S,
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         if not prefix.endswith("/"):
             raise ValueError(f"store prefix {prefix!r} must end with '/'")
         self._client = client
+        self._grace_s = outage_grace_s
         self._prefix = prefix
         self._leases = _LeaseCache(client, key_ttl_s)
         self.set_timeout(timeout)
@@ -230,7 +268,7 @@ class EtcdV3Store(Store):
 
     def _call(self, what: str, call: Callable[[], Any]) -> Any:
         try:
-            return call()
+            return _ride_out_outage(what, call, self._grace_s)
         except EtcdError as exc:
             raise DistStoreError(f"etcd-v3 store: {what} failed: {exc}") from exc
 
@@ -418,8 +456,9 @@ def create_backend(
     """Create the backend and store of one rendezvous from torchrun's parameters.
 
     Recognised ``--rdzv-conf`` keys besides torch's own: ``etcd_timeout``
-    (seconds per etcd call, default 10), ``key_ttl`` (seconds a key outlives
-    its last write, default 7200), ``key_root`` (default ``/tidal``), ``ca_cert``,
+    (seconds per etcd call, default 10), ``etcd_outage_grace`` (seconds a call
+    retries while etcd is unreachable, default 60), ``key_ttl`` (seconds a key
+    outlives its last write, default 7200), ``key_root`` (default ``/tidal``), ``ca_cert``,
     ``ssl_cert``, ``ssl_cert_key``, ``user`` (password from ``TIDAL_ETCD_PASSWORD``).
 
     Raises:
@@ -427,14 +466,19 @@ def create_backend(
         ValueError: a parameter is invalid.
     """
     key_ttl = params.get_as_int("key_ttl", DEFAULT_KEY_TTL_S) or DEFAULT_KEY_TTL_S
+    grace = float(params.get("etcd_outage_grace", DEFAULT_OUTAGE_GRACE_S))
     if client is None:
         try:
             client = create_client(_etcd_config(params))
         except EtcdError as exc:
             raise RendezvousConnectionError(f"etcd-v3 rendezvous: {exc}") from exc
     keys: Keys = client.keys
-    backend = EtcdV3RendezvousBackend(client, params.run_id, key_ttl_s=key_ttl)
-    store = EtcdV3Store(client, keys.rdzv_store_prefix(params.run_id), key_ttl_s=key_ttl)
+    backend = EtcdV3RendezvousBackend(
+        client, params.run_id, key_ttl_s=key_ttl, outage_grace_s=grace
+    )
+    store = EtcdV3Store(
+        client, keys.rdzv_store_prefix(params.run_id), key_ttl_s=key_ttl, outage_grace_s=grace
+    )
     return backend, store
 
 

@@ -10,11 +10,17 @@ nobody published again (see docs/architecture.md, "Rendezvous").
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
 
-from examples.torchrun_scenario import TorchrunCluster, descendants, run_kill_and_join
+from examples.torchrun_scenario import (
+    TorchrunCluster,
+    descendants,
+    run_kill_and_join,
+    wait_until,
+)
 from rendezvous.etcd_server import EtcdServer
 
 log = logging.getLogger(__name__)
@@ -88,3 +94,51 @@ def _not_zombie(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_training_rides_out_an_etcd_restart_without_restarting_workers(
+    tmp_path: Path, fresh_etcd: EtcdServer
+):
+    # torch's agent polls the rendezvous from its monitor loop and dies on the
+    # first backend error; the etcd-v3 backend retries through an outage.
+    cluster = TorchrunCluster(
+        workdir=tmp_path / "job", etcd_endpoint=fresh_etcd.endpoint, run_id="outage", nnodes="2:2"
+    )
+    try:
+        started = time.time()
+        cluster.start_node("a")
+        cluster.start_node("b")
+        cluster.wait_for_world({"a", "b"}, 2, after=started, timeout=120)
+        fresh_etcd.kill()
+        killed = time.time()
+        # Workers train on without etcd: both nodes keep logging steps.
+        wait_until(
+            lambda: _nodes_with_steps_after(cluster, killed, 10) >= {"a", "b"},
+            timeout=60,
+            what="10 steps per node while etcd is down",
+        )
+        down_for = time.time() - killed
+        fresh_etcd.start()
+        back = time.time()
+        wait_until(
+            lambda: _nodes_with_steps_after(cluster, back + 3, 5) >= {"a", "b"},
+            timeout=60,
+            what="5 steps per node, 3 s after etcd came back",
+        )
+        for name in ("a", "b"):
+            assert cluster.nodes[name].poll() is None, cluster.log_tail(name)
+        after = [r for r in cluster.records() if r["time"] >= killed]
+        assert {(r["world_size"], r["restarts"]) for r in after} == {(2, 0)}
+        log.info("etcd was down %.1f s; no worker restarted", down_for)
+    finally:
+        cluster.kill_all()
+
+
+def _nodes_with_steps_after(cluster: TorchrunCluster, since: float, count: int) -> set[str]:
+    per_node: dict[str, int] = {}
+    for r in cluster.records():
+        if r["time"] >= since:
+            per_node[r["node"]] = per_node.get(r["node"], 0) + 1
+    return {n for n, c in per_node.items() if c >= count}
