@@ -152,6 +152,7 @@ class WatchEvent:
     mod_revision: int
     create_revision: int
     lease: int
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -494,15 +495,35 @@ class EtcdClient:
                 f"revoke lease {lease_id:x}", lambda: self._client.revoke_lease(lease_id)
             )
 
-    def refresh_lease(self, lease_id: int) -> int:
+    def refresh_lease(self, lease_id: int, *, timeout_s: float | None = None) -> int:
         """Send one keep-alive; returns the lease's new TTL in seconds.
+
+        Args:
+            lease_id: the lease to keep alive.
+            timeout_s: deadline of this call, if shorter than the client's: a
+                keep-alive is worthless once the lease it refreshes has run out.
 
         Raises:
             LeaseExpiredError: the lease no longer exists.
+            EtcdUnavailableError: etcd did not answer in time.
         """
+        timeout = self._timeout if timeout_s is None else min(timeout_s, self._timeout)
 
         def call() -> int:
-            responses = list(self._client.refresh_lease(lease_id))
+            client = self._client
+            request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+            try:
+                responses = list(
+                    client.leasestub.LeaseKeepAlive(
+                        iter([request]),
+                        timeout,
+                        credentials=client.call_credentials,
+                        metadata=client.metadata,
+                    )
+                )
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)
+                raise
             return int(responses[0].TTL) if responses else 0
 
         ttl = self._translate(f"refresh lease {lease_id:x}", call)
@@ -663,6 +684,7 @@ class WatchStream:
                             mod_revision=ev.kv.mod_revision,
                             create_revision=ev.kv.create_revision,
                             lease=ev.kv.lease,
+                            version=ev.kv.version,
                         )
                         for ev in resp.events
                     ),
