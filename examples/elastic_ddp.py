@@ -40,8 +40,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stop-file", type=Path, default=None)
     parser.add_argument("--max-steps", type=int, default=1_000_000)
     parser.add_argument("--step-seconds", type=float, default=0.2)
-    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME", os.uname().nodename))
-    return parser.parse_args()
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("TIDAL_NODE_ID") or os.environ.get("NODE_NAME") or os.uname().nodename,
+    )
+    args = parser.parse_args()
+    # "{node}" in the checkpoint path gives each node its own file.
+    args.checkpoint = Path(str(args.checkpoint).format(node=args.node_name))
+    return args
 
 
 def load_or_init(path: Path) -> tuple[int, torch.nn.Module]:

@@ -81,6 +81,41 @@ def rdzv_clean(job: str, endpoints: tuple[str, ...], etcd_root: str) -> None:
     click.echo(f"deleted {deleted} rendezvous keys of {job}")
 
 
+@cli.command("agent")
+@click.option("--etcd", "etcd_endpoints", help="etcd endpoints HOST:PORT[,HOST:PORT...].")
+@click.option("--etcd-root", help="Key prefix (default /tidal).")
+@click.option("--node-id", help="This node's id (default: the hostname).")
+@click.option("--address", help="Address other nodes reach this one at.")
+@click.option("--slots", type=int, help="Worker processes this node may run.")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="Logs and scratch.")
+@click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a silent node is gone.")
+def agent_command(**flags: object) -> None:
+    """Run the node agent: register this node and run the jobs assigned to it."""
+    # The CLI is the composition root: the agent is imported only here, so the
+    # coordinator never loads it (nor torch).
+    from agent.daemon import Agent
+    from agent.settings import AgentSettings
+
+    given = {k: v for k, v in flags.items() if v not in (None, ())}
+    if "labels" in given:
+        pairs = [str(item).split("=", 1) for item in given["labels"]]  # type: ignore[attr-defined]
+        if any(len(p) != 2 for p in pairs):
+            raise click.BadParameter("labels must be KEY=VALUE", param_hint="--label")
+        given["labels"] = dict(pairs)
+    try:
+        settings = AgentSettings(**given)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    agent = Agent(settings)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agent.stop())
+    try:
+        agent.run()
+    except EtcdError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def main() -> None:
     """Console-script entry point."""
     sys.exit(cli(standalone_mode=True))

@@ -1,0 +1,209 @@
+"""The node agent daemon: register the node, follow its assignments, run them.
+
+:class:`Agent` registers the node in etcd under a lease (the coordinator sees
+it alive exactly as long as the agent keeps the lease), watches
+``assignments/<node>/`` with a list-then-watch :class:`PrefixWatcher`, and
+reconciles, level-triggered, what should run against what runs:
+
+* an assignment without a runner: start ``python -m agent.runner`` for it
+  (one process per job, so one job cannot take the daemon down);
+* a runner whose assignment is gone (cancelled, scaled down, drained): SIGTERM
+  it (its workers get SIGTERM, checkpoint and exit; the node leaves the
+  rendezvous, the others go on), then SIGKILL after the grace period;
+* a runner that exited: remember the generation, never rerun it.
+
+Runners are started from the main thread with the parent-death signal set, so
+a SIGKILLed daemon takes its runners, and they their workers, with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agent.runner import EXIT_STOPPED, RunnerSpec
+from agent.settings import AgentSettings
+from rendezvous.client import EtcdClient, WatchEvent, create_client
+from rendezvous.records import Assignment
+from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
+from rendezvous.watch import PrefixWatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Runner:
+    assignment: Assignment
+    process: subprocess.Popen[bytes]
+    stop_deadline: float | None = None  # set once SIGTERM was sent
+
+
+@dataclass
+class AgentState:
+    """What the agent runs now and what already ran, by job id."""
+
+    runners: dict[str, _Runner] = field(default_factory=dict)
+    finished: dict[str, tuple[int, int]] = field(default_factory=dict)  # job -> (generation, rc)
+
+
+class Agent:
+    """One node's agent. Build it with settings, then call :meth:`run`.
+
+    Args:
+        settings: this process's configuration.
+    """
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.state = AgentState()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._client: EtcdClient | None = None
+        self._watcher: PrefixWatcher | None = None
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop the runners gracefully and return."""
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Register, follow assignments until :meth:`stop`, then clean up."""
+        settings = self.settings
+        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        self._client = client = create_client(settings.etcd_config())
+        registration: NodeRegistration | None = None
+        try:
+            registration = NodeRegistry(client).register(
+                self._node_info(), ttl_s=settings.lease_ttl_s
+            )
+            self._watcher = PrefixWatcher(
+                client,
+                client.keys.node_assignments_prefix(settings.node_id),
+                on_event=self._on_event,
+                name=f"assignments of {settings.node_id}",
+            ).start()
+            log.info("agent %s ready (run dir %s)", settings.node_id, settings.run_dir)
+            while not self._stop.is_set():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                if self._watcher.synced:
+                    self.reconcile(self._desired())
+            self._stop_all_runners()
+        finally:
+            if self._watcher is not None:
+                self._watcher.stop()
+            if registration is not None:
+                registration.deregister()
+            client.close()
+
+    def _node_info(self) -> NodeInfo:
+        s = self.settings
+        return NodeInfo(
+            node_id=s.node_id,
+            host=os.uname().nodename,
+            address=s.address,
+            slots=s.slots,
+            gpus=s.gpus,
+            labels=s.labels,
+        )
+
+    def _on_event(self, _event: WatchEvent) -> None:
+        self._wake.set()
+
+    def _desired(self) -> dict[str, Assignment]:
+        assert self._watcher is not None
+        desired: dict[str, Assignment] = {}
+        for key, kv in self._watcher.snapshot().items():
+            try:
+                assignment = Assignment.model_validate_json(kv.value)
+            except ValidationError as exc:
+                log.error("ignoring the malformed assignment %s: %s", key, exc)
+                continue
+            desired[assignment.job_id] = assignment
+        return desired
+
+    # reconcile -----------------------------------------------------------------
+
+    def reconcile(self, desired: dict[str, Assignment]) -> None:
+        """Make the runners match ``desired``; call from the main thread only."""
+        self._reap()
+        for job_id, runner in list(self.state.runners.items()):
+            wanted = desired.get(job_id)
+            if wanted is None or wanted.generation != runner.assignment.generation:
+                self._stop_runner(job_id, runner)
+        for job_id, assignment in desired.items():
+            if job_id in self.state.runners:
+                continue
+            done = self.state.finished.get(job_id)
+            if done is not None and done[0] == assignment.generation:
+                continue  # this generation ran here already; the coordinator decides what next
+            self._start_runner(assignment)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for job_id, runner in list(self.state.runners.items()):
+            code = runner.process.poll()
+            if code is not None:
+                log.info("runner of %s exited with %d", job_id, code)
+                self.state.finished[job_id] = (runner.assignment.generation, code)
+                del self.state.runners[job_id]
+            elif runner.stop_deadline is not None and now > runner.stop_deadline:
+                log.warning("runner of %s ignored SIGTERM; killing it", job_id)
+                with contextlib.suppress(ProcessLookupError):
+                    runner.process.kill()
+
+    def _job_dir(self, assignment: Assignment) -> Path:
+        return self.settings.run_dir / "jobs" / assignment.job_id / f"gen-{assignment.generation}"
+
+    def _start_runner(self, assignment: Assignment) -> None:
+        job_dir = self._job_dir(assignment)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        spec = RunnerSpec(
+            assignment=assignment,
+            node_id=self.settings.node_id,
+            address=self.settings.address,
+            etcd=self.settings.etcd_config(),
+            job_dir=job_dir.resolve(),
+            parent_pid=os.getpid(),
+        )
+        spec_path = job_dir / "runner-spec.json"
+        spec_path.write_text(spec.model_dump_json())
+        spec_path.chmod(0o600)  # it may hold etcd credentials and job secrets
+        with open(job_dir / "runner.log", "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "agent.runner", str(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        self.state.runners[assignment.job_id] = _Runner(assignment, process)
+        log.info("started runner %d for job %s", process.pid, assignment.job_id)
+
+    def _stop_runner(self, job_id: str, runner: _Runner) -> None:
+        if runner.stop_deadline is not None:
+            return
+        log.info("stopping runner of %s (assignment removed or changed)", job_id)
+        runner.stop_deadline = time.monotonic() + runner.assignment.grace_period_s + 10
+        with contextlib.suppress(ProcessLookupError):
+            runner.process.send_signal(signal.SIGTERM)
+
+    def _stop_all_runners(self) -> None:
+        for job_id, runner in list(self.state.runners.items()):
+            self._stop_runner(job_id, runner)
+        while self.state.runners:
+            self._reap()
+            time.sleep(0.1)
+
+    @staticmethod
+    def stopped_on_request(code: int) -> bool:
+        return code == EXIT_STOPPED

@@ -1,0 +1,292 @@
+"""Run one job's worker group on this node: ``python -m agent.runner SPEC.json``.
+
+The agent daemon starts one runner process per assigned job, so that one
+job's crash cannot take the daemon down. The runner drives torch's
+``LocalElasticAgent`` on the etcd-v3 rendezvous (run id = job id) with three
+changes, in :class:`TidalElasticAgent`:
+
+* **membership changes are not failures.** torch charges every worker failure
+  to the restart budget, and a dead peer makes the survivors' workers fail.
+  Here a failure is charged only if the new rendezvous round has the same
+  members as the last one; when a peer left or joined, it is counted as a
+  ``node_lost`` / ``membership_changed`` restart instead;
+* **leaving is not ending.** On SIGTERM (the assignment was removed, or the
+  node drains) the workers get SIGTERM, then SIGKILL after the grace period,
+  and the runner leaves the rendezvous without closing it, so the other nodes
+  go on without it; torch's launcher would close it for everyone;
+* **status** goes to etcd (:mod:`agent.status`), with the root cause of a
+  failure: exit code, signal, and the traceback from the error file torch's
+  ``@record`` writes, or the tail of the rank's stderr.
+
+Every worker is started through :mod:`agent.worker_shim` and dies with the
+runner; the runner dies with the daemon (:mod:`agent.lifeline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+from agent.lifeline import die_with_parent
+from agent.status import StatusReporter
+from rendezvous.client import EtcdConfig, create_client
+from rendezvous.records import (
+    Assignment,
+    JobNodeState,
+    JobNodeStatus,
+    RestartReason,
+    WorkerError,
+)
+from rendezvous.torch_backend import create_etcd_v3_handler
+
+log = logging.getLogger("tidal.runner")
+
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_STOPPED = 3  # stopped on request (SIGTERM): the node left the job
+
+
+class RunnerSpec(BaseModel):
+    """Everything a runner needs, written by the daemon as JSON next to the job's logs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    assignment: Assignment
+    node_id: str
+    address: str
+    etcd: EtcdConfig
+    job_dir: Path
+    parent_pid: int
+
+
+def _participants(handler: RendezvousHandler) -> frozenset[str]:
+    """The members of the handler's last rendezvous round.
+
+    Reads DynamicRendezvousHandler's state holder, a private attribute; if a
+    torch release renames it, every failure is charged to the budget (torch's
+    own behaviour) and a warning says so.
+    """
+    try:
+        state = handler._state_holder.state  # type: ignore[attr-defined]
+        return frozenset(str(node) for node in state.participants)
+    except AttributeError:
+        log.warning("cannot read rendezvous membership; charging every failure to the budget")
+        return frozenset()
+
+
+def _leave_rendezvous(handler: RendezvousHandler) -> None:
+    """Remove this node from the rendezvous without closing it for the others."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()  # type: ignore[attr-defined]
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)  # type: ignore[attr-defined]
+    except Exception as exc:  # best effort: our heartbeats stop and expire anyway
+        log.warning("could not leave the rendezvous cleanly (%s); it will time us out", exc)
+
+
+def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> WorkerError | None:
+    """The first failure by time, with its traceback (error file, else stderr tail)."""
+    if not failures:
+        return None
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    message = failure.message if isinstance(failure.message, str) else ""
+    traceback = ""
+    data: Any = failure.error_file_data.get("message") if failure.error_file_data else None
+    if isinstance(data, dict):
+        traceback = str(data.get("extraInfo", {}).get("py_callstack", ""))
+        message = str(data.get("message", message))
+    if not traceback:
+        path = stderrs.get(failure.local_rank, "")
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines() if path else []
+            traceback = "\n".join(lines[-60:])
+        except OSError:
+            pass
+    signal_name = failure.signal_name() if failure.exitcode < 0 else None
+    return WorkerError(
+        rank=rank,
+        exit_code=failure.exitcode,
+        signal=signal_name,
+        message=message[-4000:],
+        traceback=traceback[-60000:],
+    )
+
+
+class TidalElasticAgent(LocalElasticAgent):
+    """LocalElasticAgent that tells membership changes from failures and reports status."""
+
+    def __init__(self, spec: WorkerSpec, *, reporter: StatusReporter, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self._reporter = reporter
+
+    def _report_running(self) -> None:
+        group = self._worker_group
+        self._reporter.update(
+            state=JobNodeState.RUNNING,
+            world_size=group.spec.local_world_size * (group.group_world_size or 0),
+            ranks=sorted(w.global_rank for w in group.workers),
+            remaining_restarts=self._remaining_restarts,
+        )
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        spec = self._worker_group.spec
+        self._initialize_workers(self._worker_group)
+        members = _participants(spec.rdzv_handler)
+        self._report_running()
+        while True:
+            time.sleep(spec.monitor_interval)
+            result: RunResult = self._monitor_workers(self._worker_group)
+            self._worker_group.state = result.state
+            if result.state == WorkerState.SUCCEEDED:
+                self._exit_barrier()  # type: ignore[no-untyped-call]
+                return result
+            if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
+                self._reporter.update(error=root_cause(result.failures, stderrs))
+                self._reporter.count_restart(RestartReason.WORKER_FAILED)
+                self._stop_workers(self._worker_group)
+                self._worker_group.state = WorkerState.STOPPED
+                self._rendezvous(self._worker_group)
+                new_members = _participants(spec.rdzv_handler)
+                if new_members and new_members != members:
+                    log.info("a peer left or joined: restarting without charging the budget")
+                    self._reporter.count_restart(RestartReason.NODE_LOST)
+                elif self._remaining_restarts > 0:
+                    self._remaining_restarts -= 1
+                else:
+                    log.error("worker group failed and the restart budget is spent")
+                    _leave_rendezvous(spec.rdzv_handler)
+                    self._worker_group.state = WorkerState.FAILED
+                    return result
+                members = new_members
+                self._start_group()
+            elif spec.rdzv_handler.num_nodes_waiting() > 0:
+                log.info("nodes are waiting to join: restarting at a larger size")
+                self._reporter.count_restart(RestartReason.NODE_JOINED)
+                self._restart_workers(self._worker_group)
+                members = _participants(spec.rdzv_handler)
+                self._report_running()
+
+    def _start_group(self) -> None:
+        worker_ids = self._start_workers(self._worker_group)
+        for local_rank, worker_id in worker_ids.items():
+            self._worker_group.workers[local_rank].id = worker_id
+        self._worker_group.state = WorkerState.HEALTHY
+        self._report_running()
+
+
+def _prepare_environment(spec: RunnerSpec) -> Path:
+    """Working directory and environment the workers inherit; returns the progress dir."""
+    job = spec.assignment
+    progress_dir = spec.job_dir / "progress"
+    progress_dir.mkdir(parents=True, exist_ok=True)
+    if job.cwd:
+        os.chdir(job.cwd)
+    os.environ.update(job.env)
+    os.environ.update(
+        {
+            "TIDAL_JOB_ID": job.job_id,
+            "TIDAL_NODE_ID": spec.node_id,
+            "TIDAL_PROGRESS_DIR": str(progress_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if job.checkpoint_dir:
+        os.environ["TIDAL_CHECKPOINT_DIR"] = job.checkpoint_dir
+    return progress_dir
+
+
+def run(spec: RunnerSpec) -> int:
+    """Run the job's worker group until it succeeds, fails, or this node leaves."""
+    job = spec.assignment
+    progress_dir = _prepare_environment(spec)
+    client = create_client(spec.etcd)
+    reporter = StatusReporter(
+        client,
+        JobNodeStatus(
+            job_id=job.job_id,
+            node_id=spec.node_id,
+            generation=job.generation,
+            state=JobNodeState.STARTING,
+            remaining_restarts=job.max_restarts,
+            pid=os.getpid(),
+        ),
+        progress_dir=progress_dir,
+    ).start()
+    params = RendezvousParameters(
+        backend="etcd-v3",
+        endpoint=",".join(spec.etcd.endpoints),
+        run_id=job.job_id,
+        min_nodes=job.min_nodes,
+        max_nodes=job.max_nodes,
+        local_addr=spec.address,
+        key_root=spec.etcd.root,
+        **job.rdzv_conf,
+    )
+    handler = create_etcd_v3_handler(params)
+    worker_spec = WorkerSpec(
+        role="trainer",
+        local_world_size=job.nproc_per_node,
+        entrypoint=sys.executable,
+        args=("-m", "agent.worker_shim", str(os.getpid()), "--", *job.command),
+        rdzv_handler=handler,
+        max_restarts=job.max_restarts,
+        monitor_interval=0.1,
+        local_addr=spec.address,
+    )
+    agent = TidalElasticAgent(
+        worker_spec,
+        reporter=reporter,
+        logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
+        start_method="spawn",
+        shutdown_timeout=int(job.grace_period_s),
+    )
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        log.info("stopping on %s: leaving the job (the others go on)", exc.sigval.name)
+        _leave_rendezvous(handler)
+        reporter.update(state=JobNodeState.CANCELLED)
+        return EXIT_STOPPED
+    finally:
+        reporter.close()
+    if result.is_failed():
+        reporter.update(state=JobNodeState.FAILED)
+        return EXIT_FAILED
+    reporter.update(state=JobNodeState.SUCCEEDED)
+    handler.shutdown()  # the job is done: close the rendezvous for everyone
+    return EXIT_SUCCEEDED
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m agent.runner SPEC.json\n")
+        return 2
+    spec = RunnerSpec.model_validate_json(Path(argv[0]).read_text())
+    die_with_parent(expected_parent=spec.parent_pid)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s runner[{spec.assignment.job_id}] %(name)s: %(message)s",
+    )
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+"""Start a worker command so that it dies with the process that started it.
+
+torch elastic runs ``python -m agent.worker_shim -- ARGV...`` instead of the
+job's command: the shim sets the parent-death signal (see
+:mod:`agent.lifeline`) and then ``exec``s the command unchanged, as a literal
+argument vector (never through a shell). The signal survives ``exec``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from agent.lifeline import die_with_parent
+
+USAGE = "usage: python -m agent.worker_shim PARENT_PID -- COMMAND [ARG...]"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
+        sys.stderr.write(USAGE + "\n")
+        raise SystemExit(2)
+    die_with_parent(expected_parent=int(argv[0]))
+    command = argv[2:]
+    try:
+        os.execvp(command[0], command)  # noqa: S606  (an argv list, never a shell)
+    except OSError as exc:
+        sys.stderr.write(f"tidal: cannot run {command[0]!r}: {exc}\n")
+        raise SystemExit(127) from exc
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

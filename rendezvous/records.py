@@ -1,0 +1,141 @@
+"""The JSON records the coordinator and the agents exchange through etcd.
+
+``agent`` and ``service`` never import each other: they meet only through the
+keys of :mod:`rendezvous.keys`, holding these pydantic models (JSON, never
+pickle). Each model validates what it reads, so a malformed record is an error
+naming the field, not a crash three calls later.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rendezvous.keys import validate_id
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ARGV = 256
+MAX_ARG_LEN = 4096
+MAX_ENV = 128
+MAX_ENV_VALUE_LEN = 8192
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Assignment(BaseModel):
+    """What a node must run for one job: written by the coordinator at
+    ``assignments/<node>/<job>``, read by that node's agent.
+
+    ``generation`` changes whenever the coordinator wants the job restarted on
+    this node with new settings; an agent never reruns a generation that
+    already finished here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    generation: int = Field(default=1, ge=1)
+    command: list[str] = Field(min_length=1, max_length=MAX_ARGV)
+    cwd: str | None = Field(default=None, max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    min_nodes: int = Field(ge=1, le=10_000)
+    max_nodes: int = Field(ge=1, le=10_000)
+    nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    max_restarts: int = Field(default=3, ge=0, le=10_000)
+    checkpoint_dir: str | None = Field(default=None, max_length=4096)
+    rdzv_conf: dict[str, str] = Field(default_factory=dict)
+    grace_period_s: float = Field(default=30.0, gt=0, le=3600)
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, value: str) -> str:
+        return validate_id(value, what="job id")
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        for i, arg in enumerate(value):
+            if len(arg) > MAX_ARG_LEN or "\0" in arg:
+                raise ValueError(f"command[{i}] is longer than {MAX_ARG_LEN} or holds a NUL byte")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_ENV:
+            raise ValueError(f"env has {len(value)} variables; at most {MAX_ENV} are allowed")
+        for name, text in value.items():
+            if not _ENV_NAME_RE.match(name):
+                raise ValueError(f"env variable name {name!r} is not a valid name")
+            if len(text) > MAX_ENV_VALUE_LEN or "\0" in text:
+                raise ValueError(f"env variable {name} is too long or holds a NUL byte")
+        return value
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Assignment:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})"
+            )
+        return self
+
+
+class JobNodeState(str, Enum):
+    """What a node's agent is doing for a job."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def is_terminal(self) -> bool:
+        return self in (JobNodeState.SUCCEEDED, JobNodeState.FAILED, JobNodeState.CANCELLED)
+
+
+class RestartReason(str, Enum):
+    WORKER_FAILED = "worker_failed"
+    NODE_LOST = "node_lost"
+    NODE_JOINED = "node_joined"
+    MEMBERSHIP_CHANGED = "membership_changed"
+
+
+class WorkerError(BaseModel):
+    """The root cause of a worker group failure."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    exit_code: int
+    signal: str | None = None
+    message: str = Field(default="", max_length=4096)
+    traceback: str = Field(default="", max_length=65536)
+
+
+class JobNodeStatus(BaseModel):
+    """What one node's agent reports for one job, at ``status/<job>/<node>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    node_id: str
+    generation: int = 1
+    state: JobNodeState
+    world_size: int = 0
+    ranks: list[int] = Field(default_factory=list)
+    restart_count: int = 0
+    restart_reasons: dict[str, int] = Field(default_factory=dict)
+    last_restart_reason: RestartReason | None = None
+    remaining_restarts: int = 0
+    last_step: int | None = None
+    last_checkpoint_step: int | None = None
+    error: WorkerError | None = None
+    pid: int = 0
+    updated_at: datetime = Field(default_factory=utcnow)
