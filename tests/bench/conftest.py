@@ -1,0 +1,23 @@
+"""Benchmarks live in ``bench_*.py`` and run only when selected with ``-m bench`` (make bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Module | None:
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        module: pytest.Module = pytest.Module.from_parent(parent, path=file_path)
+        return module
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "bench" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="benchmarks run only with -m bench (make bench)")
+    for item in items:
+        if item.get_closest_marker("bench") is not None:
+            item.add_marker(skip)

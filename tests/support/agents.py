@@ -1,0 +1,106 @@
+"""Run real `tidal agent` processes against a real etcd, and read what they report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rendezvous.client import EtcdClient
+from rendezvous.records import Assignment, JobNodeStatus
+from tests.support.processes import ProcessGroupRegistry
+
+ELASTIC_DDP = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
+
+
+def processes_of_node(node_id: str) -> list[int]:
+    """PIDs of live processes whose environment says they work for ``node_id``.
+
+    The runner exports TIDAL_NODE_ID to every worker, so this finds a node's
+    workers even after they were re-parented.
+    """
+    needle = f"TIDAL_NODE_ID={node_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+class AgentCluster:
+    """Agents as separate processes, each in its own process group."""
+
+    def __init__(
+        self, *, etcd_endpoint: str, etcd_root: str, workdir: Path, procs: ProcessGroupRegistry
+    ) -> None:
+        self.etcd_endpoint = etcd_endpoint
+        self.etcd_root = etcd_root
+        self.workdir = workdir
+        self.procs = procs
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_agent(self, node_id: str, *, lease_ttl_s: int = 3) -> subprocess.Popen[bytes]:
+        argv = [
+            sys.executable, "-m", "service.cli", "agent",
+            "--etcd", self.etcd_endpoint,
+            "--etcd-root", self.etcd_root,
+            "--node-id", node_id,
+            "--run-dir", str(self.workdir / node_id),
+            "--lease-ttl", str(lease_ttl_s),
+        ]
+        proc = self.procs.spawn(argv, log_path=self.workdir / f"agent-{node_id}.log")
+        self.agents[node_id] = proc
+        return proc
+
+    def kill_agent(self, node_id: str) -> None:
+        """SIGKILL the agent's process group, as a dying machine would."""
+        self.procs.kill_group(self.agents[node_id])
+
+    def log_tails(self, lines: int = 40) -> str:
+        out = []
+        for node_id in self.agents:
+            for path in sorted((self.workdir / node_id).rglob("*.log")) + [
+                self.workdir / f"agent-{node_id}.log"
+            ]:
+                if path.exists():
+                    text = path.read_text(errors="replace").splitlines()[-lines:]
+                    out.append(f"--- {path} ---\n" + "\n".join(text))
+        return "\n".join(out)
+
+
+def assign(client: EtcdClient, node_id: str, assignment: Assignment) -> None:
+    client.put(client.keys.assignment(node_id, assignment.job_id), assignment.model_dump_json().encode())
+
+
+def unassign(client: EtcdClient, node_id: str, job_id: str) -> None:
+    client.delete(client.keys.assignment(node_id, job_id))
+
+
+def statuses(client: EtcdClient, job_id: str) -> dict[str, JobNodeStatus]:
+    kvs, _ = client.get_prefix(client.keys.job_status_prefix(job_id))
+    out = {}
+    for kv in kvs:
+        status = JobNodeStatus.model_validate_json(kv.value)
+        out[status.node_id] = status
+    return out
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
