@@ -185,6 +185,12 @@ class Agent:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
+                # Marks the runner (and so its workers) as this node's and this job's.
+                env=dict(
+                    os.environ,
+                    TIDAL_NODE_ID=self.settings.node_id,
+                    TIDAL_JOB_ID=assignment.job_id,
+                ),
             )
         self.state.runners[assignment.job_id] = _Runner(assignment, process)
         log.info("started runner %d for job %s", process.pid, assignment.job_id)

@@ -156,7 +156,8 @@ def test_bench_checkpoint_stall_and_overhead(tmp_path: Path) -> None:
     per_call = (time.perf_counter() - started) / 100_000
     idle.close()
     consensus = consensus_cost(tmp_path)
-    median_step = statistics.median(step_times)
+    median = statistics.median
+    median_step = median(step_times)
     lines = [
         f"model: {params / 1e6:.1f}M parameters + Adam, {state_bytes / 1e6:.0f} MB of state; "
         f"{torch.get_num_threads()} threads; saves every {EVERY} of {STEPS} steps, {ROUNDS} rounds",
@@ -165,7 +166,7 @@ def test_bench_checkpoint_stall_and_overhead(tmp_path: Path) -> None:
         row("training step (s)", step_times),
         row("sync torch.save + fsync, blocks (s)", sync),
         row("async save: training-loop stall per save (s)", stalls),
-        row("async save: stall / sync save (%)", [s / statistics.median(sync) for s in stalls], 100),
+        row("async save: stall / sync save (%)", [s / median(sync) for s in stalls], 100),
         row("async save: time lost per save, stall included (s)", lost),
         row("async save: background save duration (s)", save_durations),
         row("checkpointing off: step-time overhead, loop (%)", off_overhead, 100),

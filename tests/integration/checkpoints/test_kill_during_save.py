@@ -55,12 +55,12 @@ def test_sigkill_at_random_points_of_a_save_always_leaves_a_loadable_checkpoint(
     for index in range(KILLS):
         (control / f"go-{index}").touch()
         pid = wait_for(
-            lambda: saving_pid(log_path, index), timeout=60, what=f"saver {index} to start saving"
+            lambda i=index: saving_pid(log_path, i), timeout=60, what=f"saver {index} to start"
         )
         time.sleep(rng.uniform(0.0, 0.4))  # fault injection: a random point in the save loop
         os.kill(pid, signal.SIGKILL)
         wait_for(
-            lambda: f"child {pid} ended with status {signal.SIGKILL}" in log_path.read_text(),
+            lambda p=pid: f"child {p} ended with status {signal.SIGKILL}" in log_path.read_text(),
             timeout=30,
             what=f"the zygote to reap saver {pid}",
         )

@@ -31,7 +31,8 @@ def run_job(
     for rank in range(world_size):
         log_path = tmp_path / f"{name}-rank{rank}.log"
         env = worker_env(rank=rank, world_size=world_size)
-        running.append((procs.spawn(worker_argv("sharded", *args), log_path=log_path, env=env), log_path))
+        proc = procs.spawn(worker_argv("sharded", *args), log_path=log_path, env=env)
+        running.append((proc, log_path))
     for rank, (proc, log_path) in enumerate(running):
         wait_for(lambda p=proc: p.poll() is not None, timeout=120, what=f"{name} rank {rank}")
         assert proc.returncode == 0, log_path.read_text(errors="replace")[-4000:]
@@ -50,7 +51,8 @@ def test_a_checkpoint_saved_at_world_size_2_loads_at_1_and_3(
     manifest = (tmp_path / "ckpt" / "step-0000000003" / "manifest.json").read_text()
     assert '"kind": "sharded"' in manifest and '"world_size": 2' in manifest
     for world_size in (1, 3):
-        loaded = run_job(procs, tmp_path, name=f"load-w{world_size}", world_size=world_size, save=False)
+        name = f"load-w{world_size}"
+        loaded = run_job(procs, tmp_path, name=name, world_size=world_size, save=False)
         assert loaded["resumed_step"] == 3
         assert loaded["scheduler"] == 3
         torch.testing.assert_close(loaded["model"], saved["model"], rtol=0, atol=0)

@@ -25,7 +25,9 @@ class Job:
 
     def __init__(self, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
@@ -174,7 +176,8 @@ def test_a_failed_save_is_reported_and_leaves_older_checkpoints_intact(
         ckpt.close()
     assert "failed" in caplog.text
     assert "step 2" in (progress_dir / "rank-0.json").read_text()
-    assert ck.Checkpointer(tmp_path / "moved", model=Job().model, handle_sigterm=False).restore().step == 1
+    survivor = ck.Checkpointer(tmp_path / "moved", model=Job().model, handle_sigterm=False)
+    assert survivor.restore().step == 1
 
 
 def test_saving_the_same_step_twice_writes_once(tmp_path: Path) -> None:
@@ -207,7 +210,11 @@ def test_extras_must_be_a_dict_of_checkpointable_values(tmp_path: Path) -> None:
 
 def test_the_snapshot_reuses_its_buffers_and_copies_values() -> None:
     snapshot = StateSnapshot()
-    source = {"a": torch.ones(3), "b": [torch.zeros(2, 2, dtype=torch.float64), 7], "c": torch.ones(())}
+    source = {
+        "a": torch.ones(3),
+        "b": [torch.zeros(2, 2, dtype=torch.float64), 7],
+        "c": torch.ones(()),
+    }
     first = snapshot.take(source)
     pointer = first["a"].data_ptr()
     source["a"].add_(1)

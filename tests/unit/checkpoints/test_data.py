@@ -47,6 +47,7 @@ def consume_segment(
     start_step: int,
     end_step: int,
     max_local_batch: int | None,
+    start_position: int | None = None,
 ) -> list[list[int]]:
     """What a segment of the job trains on: per global step, the ranks' samples in rank order."""
     per_rank_steps: list[list[list[int]]] = []
@@ -60,6 +61,7 @@ def consume_segment(
             start_step=start_step,
             max_local_batch=max_local_batch,
             end_step=end_step,
+            start_position=start_position,
         )
         batches = list(sampler)
         assert len(batches) == len(sampler)
@@ -117,6 +119,39 @@ def test_a_job_resumed_at_any_world_sizes_consumes_exactly_the_uninterrupted_str
     # No repeats and no skips within an epoch: every complete epoch is a permutation.
     for start in range(0, len(flat) - dataset_len + 1, dataset_len):
         assert sorted(flat[start : start + dataset_len]) == list(range(dataset_len))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dataset_len=st.integers(min_value=1, max_value=30),
+    seed=st.integers(min_value=0, max_value=2**31),
+    segments=st.lists(
+        st.tuples(st.integers(min_value=1, max_value=4), st.integers(min_value=1, max_value=6)),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_a_job_whose_global_batch_changes_continues_the_stream_from_its_sample_count(
+    dataset_len: int, seed: int, segments: list[tuple[int, int]]
+) -> None:
+    # A fixed per-worker batch of 3: the global batch grows and shrinks with W, and
+    # each segment starts from the number of samples consumed so far.
+    consumed: list[list[int]] = []
+    step = 0
+    for world_size, steps in segments:
+        consumed += consume_segment(
+            dataset_len=dataset_len,
+            global_batch_size=3 * world_size,
+            world_size=world_size,
+            seed=seed,
+            start_step=step,
+            end_step=step + steps,
+            max_local_batch=None,
+            start_position=sum(len(batch) for batch in consumed),
+        )
+        step += steps
+    flat = [i for batch in consumed for i in batch]
+    assert flat == reference_stream(dataset_len, seed, len(flat))
 
 
 @settings(max_examples=300, deadline=None)
@@ -253,6 +288,15 @@ def test_global_indices_of_a_step_are_the_ranks_slices_in_rank_order() -> None:
         assert samplers[0].epoch_of(step) == step * 8 // 13
 
 
+def test_a_step_before_the_start_of_the_stream_is_refused() -> None:
+    sampler = ElasticBatchSampler(
+        dataset_len=10, global_batch_size=4, rank=0, world_size=1, start_step=5, start_position=6
+    )
+    assert sampler.position_of(4) == 2
+    with pytest.raises(BatchPlanError, match=r"step \(3\) would begin before the start"):
+        sampler.global_indices(3)
+
+
 def test_an_endless_sampler_keeps_going_and_has_no_len() -> None:
     sampler = ElasticBatchSampler(dataset_len=5, global_batch_size=3, rank=1, world_size=2)
     iterator = iter(sampler)
@@ -331,6 +375,7 @@ def test_non_integer_sizes_are_refused() -> None:
     [
         ({"dataset_len": 0}, r"dataset_len \(0\)"),
         ({"start_step": -1}, r"start_step \(-1\)"),
+        ({"start_position": -3}, r"start_position \(-3\)"),
         ({"start_step": 5, "end_step": 4}, r"end_step \(4\) is before start_step \(5\)"),
         ({"world_size": 9}, r"global_batch_size \(8\).*world_size \(9\)"),
     ],

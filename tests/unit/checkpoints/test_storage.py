@@ -36,7 +36,8 @@ def write_checkpoint(store: CheckpointStore, step: int, payload: bytes = b"x" * 
 
 def test_checkpoint_names_sort_by_step_and_reject_negative_steps() -> None:
     assert checkpoint_name(40) == "step-0000000040"
-    assert sorted([checkpoint_name(9), checkpoint_name(10)]) == ["step-0000000009", "step-0000000010"]
+    names = [checkpoint_name(10), checkpoint_name(9)]
+    assert sorted(names) == ["step-0000000009", "step-0000000010"]
     with pytest.raises(ValueError, match=r"step \(-1\)"):
         checkpoint_name(-1)
 
@@ -124,7 +125,7 @@ def test_a_missing_manifest_means_an_unusable_checkpoint(tmp_path: Path) -> None
     store = CheckpointStore(tmp_path)
     path = write_checkpoint(store, 3)
     (path / MANIFEST_NAME).unlink()
-    with pytest.raises(CheckpointCorruptError, match="manifest.json is unusable: it is missing"):
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.json is unusable: it is missing"):
         store.verify(path)
 
 

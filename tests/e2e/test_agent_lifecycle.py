@@ -1,0 +1,88 @@
+"""Cancel and failure through real agents: nothing left running, causes reported."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rendezvous.client import EtcdClient
+from rendezvous.etcd_server import EtcdServer
+from rendezvous.records import Assignment, JobNodeState
+from tests.support.agents import (
+    ELASTIC_DDP,
+    AgentCluster,
+    assign,
+    processes_of_node,
+    statuses,
+    unassign,
+)
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+BUGGY = """
+import os, sys
+step = 0
+print("training", flush=True)
+def load(path):
+    raise ValueError(f"corrupt shard {path!r}")
+load("/data/shard-3")
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry):
+    return AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+
+
+def test_cancel_stops_every_worker_within_the_grace_period(
+    cluster: AgentCluster, etcd_client: EtcdClient, tmp_path: Path
+):
+    job = Assignment(
+        job_id="cancel-me",
+        command=[sys.executable, str(ELASTIC_DDP), "--checkpoint", str(tmp_path / "c.pt"),
+                 "--step-seconds", "0.1"],
+        min_nodes=1, max_nodes=1, grace_period_s=5,
+    )
+    cluster.start_agent("a")
+    assign(etcd_client, "a", job)
+    wait_for(lambda: statuses(etcd_client, "cancel-me").get("a") is not None
+             and statuses(etcd_client, "cancel-me")["a"].state == JobNodeState.RUNNING,
+             timeout=90, what="the job running on a")
+    wait_for(lambda: len(processes_of_node("a")) >= 2, timeout=30, what="runner and worker up")
+    cancelled = time.monotonic()
+    unassign(etcd_client, "a", "cancel-me")
+    wait_for(lambda: not processes_of_node("a"), timeout=job.grace_period_s + 10,
+             what="runner and workers gone")
+    assert time.monotonic() - cancelled < job.grace_period_s + 10
+    wait_for(lambda: statuses(etcd_client, "cancel-me")["a"].state == JobNodeState.CANCELLED,
+             timeout=10, what="status cancelled")
+    # The agent itself is still alive and registered.
+    assert cluster.agents["a"].poll() is None
+
+
+def test_a_buggy_script_fails_after_its_budget_with_the_traceback_in_status(
+    cluster: AgentCluster, etcd_client: EtcdClient
+):
+    job = Assignment(
+        job_id="buggy", command=[sys.executable, "-c", BUGGY],
+        min_nodes=1, max_nodes=1, max_restarts=1,
+    )
+    cluster.start_agent("a")
+    assign(etcd_client, "a", job)
+    wait_for(lambda: (s := statuses(etcd_client, "buggy").get("a")) is not None
+             and s.state == JobNodeState.FAILED,
+             timeout=120, what="the job failed on a")
+    status = statuses(etcd_client, "buggy")["a"]
+    assert status.error is not None
+    assert status.error.exit_code == 1
+    assert "ValueError: corrupt shard '/data/shard-3'" in status.error.traceback
+    assert status.restart_count == 2  # the first failure and the one after the single restart
+    assert status.remaining_restarts == 0
+    # It does not loop: the runner is gone, and the agent does not rerun the generation.
+    wait_for(lambda: not processes_of_node("a"), timeout=15, what="runner gone")
+    assert statuses(etcd_client, "buggy")["a"].state == JobNodeState.FAILED
