@@ -68,9 +68,9 @@ class AgentCluster:
     def log_tails(self, lines: int = 40) -> str:
         out = []
         for node_id in self.agents:
-            for path in sorted((self.workdir / node_id).rglob("*.log")) + [
-                self.workdir / f"agent-{node_id}.log"
-            ]:
+            own = self.workdir / f"agent-{node_id}.log"
+            paths = [*sorted((self.workdir / node_id).rglob("*.log")), own]
+            for path in paths:
                 if path.exists():
                     text = path.read_text(errors="replace").splitlines()[-lines:]
                     out.append(f"--- {path} ---\n" + "\n".join(text))
@@ -78,7 +78,8 @@ class AgentCluster:
 
 
 def assign(client: EtcdClient, node_id: str, assignment: Assignment) -> None:
-    client.put(client.keys.assignment(node_id, assignment.job_id), assignment.model_dump_json().encode())
+    key = client.keys.assignment(node_id, assignment.job_id)
+    client.put(key, assignment.model_dump_json().encode())
 
 
 def unassign(client: EtcdClient, node_id: str, job_id: str) -> None:
