@@ -35,7 +35,12 @@ from agent.runner import EXIT_STOPPED, RunnerSpec
 from agent.settings import AgentSettings
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.records import Assignment
-from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
+from rendezvous.registry import (
+    NodeAlreadyRegisteredError,
+    NodeInfo,
+    NodeRegistration,
+    NodeRegistry,
+)
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
@@ -83,9 +88,7 @@ class Agent:
         self._client = client = create_client(settings.etcd_config())
         registration: NodeRegistration | None = None
         try:
-            registration = NodeRegistry(client).register(
-                self._node_info(), ttl_s=settings.lease_ttl_s
-            )
+            registration = self._register(client)
             self._watcher = PrefixWatcher(
                 client,
                 client.keys.node_assignments_prefix(settings.node_id),
@@ -105,6 +108,23 @@ class Agent:
             if registration is not None:
                 registration.deregister()
             client.close()
+
+    def _register(self, client: EtcdClient) -> NodeRegistration:
+        """Register the node; after a crash, wait out the previous incarnation's lease.
+
+        A restarted agent finds its node id still held by the lease of the
+        process it replaces until that lease expires (at most one TTL).
+        """
+        registry = NodeRegistry(client)
+        deadline = time.monotonic() + self.settings.lease_ttl_s + 2
+        while True:
+            try:
+                return registry.register(self._node_info(), ttl_s=self.settings.lease_ttl_s)
+            except NodeAlreadyRegisteredError:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise
+                log.info("node id %s is held by an earlier lease; waiting", self.settings.node_id)
+                self._stop.wait(0.5)
 
     def _node_info(self) -> NodeInfo:
         s = self.settings
