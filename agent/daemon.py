@@ -29,10 +29,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from agent.runner import EXIT_STOPPED, RunnerSpec
+from agent.metrics import AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
+from agent.spec import EXIT_STOPPED, RunnerSpec
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.records import Assignment
 from rendezvous.registry import (
@@ -75,6 +77,25 @@ class Agent:
         self._stop = threading.Event()
         self._client: EtcdClient | None = None
         self._watcher: PrefixWatcher | None = None
+        self._jobs_lock = threading.Lock()
+        self._jobs_seen: set[str] = set()
+        self.metrics: AgentMetrics | None = None
+        self.metrics_port: int | None = None
+
+    def _job_ids(self) -> list[str]:
+        with self._jobs_lock:
+            return sorted(self._jobs_seen)
+
+    def _serve_metrics(self, client: EtcdClient) -> None:
+        port = self.settings.metrics_port
+        if port is None:
+            return
+        registry = CollectorRegistry()
+        self.metrics = AgentMetrics(registry, slots=self.settings.slots)
+        registry.register(JobStatusCollector(client, self.settings.node_id, self._job_ids))
+        server, _ = self.metrics.serve(port)
+        self.metrics_port = int(server.server_port)
+        log.info("metrics on :%d/metrics", self.metrics_port)
 
     def stop(self) -> None:
         """Ask :meth:`run` to stop the runners gracefully and return."""
@@ -89,6 +110,7 @@ class Agent:
         registration: NodeRegistration | None = None
         try:
             registration = self._register(client)
+            self._serve_metrics(client)
             self._watcher = PrefixWatcher(
                 client,
                 client.keys.node_assignments_prefix(settings.node_id),
@@ -168,6 +190,9 @@ class Agent:
             if done is not None and done[0] == assignment.generation:
                 continue  # this generation ran here already; the coordinator decides what next
             self._start_runner(assignment)
+        if self.metrics is not None:
+            used = sum(r.assignment.nproc_per_node for r in self.state.runners.values())
+            self.metrics.slots_used.set(used)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -206,14 +231,20 @@ class Agent:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 # Marks the runner (and so its workers) as this node's and this job's.
-                env=dict(
-                    os.environ,
-                    TIDAL_NODE_ID=self.settings.node_id,
-                    TIDAL_JOB_ID=assignment.job_id,
-                ),
+                env=self._runner_env(assignment),
             )
         self.state.runners[assignment.job_id] = _Runner(assignment, process)
+        with self._jobs_lock:
+            self._jobs_seen.add(assignment.job_id)
         log.info("started runner %d for job %s", process.pid, assignment.job_id)
+
+    def _runner_env(self, assignment: Assignment) -> dict[str, str]:
+        """The runner's environment: marks it as this node's and job's; carries the
+        etcd password, which the spec file (JSON, on disk) never holds."""
+        env = dict(os.environ, TIDAL_NODE_ID=self.settings.node_id, TIDAL_JOB_ID=assignment.job_id)
+        if self.settings.etcd_password is not None:
+            env["TIDAL_ETCD_PASSWORD"] = self.settings.etcd_password.get_secret_value()
+        return env
 
     def _stop_runner(self, job_id: str, runner: _Runner) -> None:
         if runner.stop_deadline is not None:

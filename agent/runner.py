@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import SecretStr
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
@@ -44,10 +44,10 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from agent.lifeline import die_with_parent
+from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import StatusReporter
-from rendezvous.client import EtcdConfig, create_client
+from rendezvous.client import create_client
 from rendezvous.records import (
-    Assignment,
     JobNodeState,
     JobNodeStatus,
     RestartReason,
@@ -56,23 +56,6 @@ from rendezvous.records import (
 from rendezvous.torch_backend import create_etcd_v3_handler
 
 log = logging.getLogger("tidal.runner")
-
-EXIT_SUCCEEDED = 0
-EXIT_FAILED = 1
-EXIT_STOPPED = 3  # stopped on request (SIGTERM): the node left the job
-
-
-class RunnerSpec(BaseModel):
-    """Everything a runner needs, written by the daemon as JSON next to the job's logs."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    assignment: Assignment
-    node_id: str
-    address: str
-    etcd: EtcdConfig
-    job_dir: Path
-    parent_pid: int
 
 
 def _participants(handler: RendezvousHandler) -> frozenset[str]:
@@ -240,7 +223,7 @@ def run(spec: RunnerSpec) -> int:
         key_root=spec.etcd.root,
         **job.rdzv_conf,
     )
-    handler = create_etcd_v3_handler(params)
+    handler = create_etcd_v3_handler(params, client=client)
     worker_spec = WorkerSpec(
         role="trainer",
         local_world_size=job.nproc_per_node,
@@ -280,6 +263,14 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m agent.runner SPEC.json\n")
         return 2
     spec = RunnerSpec.model_validate_json(Path(argv[0]).read_text())
+    # The password comes through the environment, never the spec file; the
+    # workers inherit this process's environment, so take it out.
+    password = os.environ.pop("TIDAL_ETCD_PASSWORD", None)
+    spec = spec.model_copy(
+        update={"etcd": spec.etcd.model_copy(update={"password": SecretStr(password)})}
+        if password
+        else {"etcd": spec.etcd.model_copy(update={"password": None})}
+    )
     die_with_parent(expected_parent=spec.parent_pid)
     logging.basicConfig(
         level=logging.INFO,

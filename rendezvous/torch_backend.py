@@ -482,17 +482,25 @@ def create_backend(
     return backend, store
 
 
-def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_etcd_v3_handler(
+    params: RendezvousParameters, *, client: EtcdClient | None = None
+) -> RendezvousHandler:
     """Build torch's DynamicRendezvousHandler on the etcd-v3 backend.
 
     tidal's defaults (:data:`DEFAULT_RDZV_CONF`) fill in whatever
     ``--rdzv-conf`` leaves out.
+
+    Args:
+        params: torchrun's rendezvous parameters.
+        client: an etcd client to use (tidal's runner passes its own, built
+            with its TLS and credentials); by default one is built from
+            ``params``.
     """
     for key, value in DEFAULT_RDZV_CONF.items():
         params.config.setdefault(key, value)
     # See the module docstring: each round publishes its own master address.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    backend, store = create_backend(params)
+    backend, store = create_backend(params, client=client)
     return create_handler(store, backend, params)
 
 

@@ -6,10 +6,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd_server import EtcdServer, free_port
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import (
     ELASTIC_DDP,
@@ -48,11 +49,19 @@ def test_cancel_stops_every_worker_within_the_grace_period(
                  "--step-seconds", "0.1"],
         min_nodes=1, max_nodes=1, grace_period_s=5,
     )
-    cluster.start_agent("a")
+    port = free_port()
+    cluster.start_agent("a", metrics_port=port)
     assign(etcd_client, "a", job)
     wait_for(lambda: statuses(etcd_client, "cancel-me").get("a") is not None
              and statuses(etcd_client, "cancel-me")["a"].state == JobNodeState.RUNNING,
              timeout=90, what="the job running on a")
+    # The agent's /metrics shows the node and the job (a plain 200, no redirect).
+    page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    assert page.status_code == 200
+    assert "tidal_agent_up 1.0" in page.text
+    assert 'tidal_agent_job_world_size{job="cancel-me"} 1.0' in page.text
+    assert 'tidal_agent_job_state{job="cancel-me",state="running"} 1.0' in page.text
+    assert "tidal_agent_slots_used 1.0" in page.text
     wait_for(lambda: len(processes_of_node("a")) >= 2, timeout=30, what="runner and worker up")
     cancelled = time.monotonic()
     unassign(etcd_client, "a", "cancel-me")

@@ -48,7 +48,9 @@ class AgentCluster:
         self.procs = procs
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start_agent(self, node_id: str, *, lease_ttl_s: int = 3) -> subprocess.Popen[bytes]:
+    def start_agent(
+        self, node_id: str, *, lease_ttl_s: int = 3, metrics_port: int | None = None
+    ) -> subprocess.Popen[bytes]:
         argv = [
             sys.executable, "-m", "service.cli", "agent",
             "--etcd", self.etcd_endpoint,
@@ -57,6 +59,8 @@ class AgentCluster:
             "--run-dir", str(self.workdir / node_id),
             "--lease-ttl", str(lease_ttl_s),
         ]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
         proc = self.procs.spawn(argv, log_path=self.workdir / f"agent-{node_id}.log")
         self.agents[node_id] = proc
         return proc

@@ -1,0 +1,31 @@
+"""What the daemon hands a job runner, and what the runner's exit code means.
+
+Kept apart from :mod:`agent.runner` so that the daemon, which only starts
+runners, never imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from rendezvous.client import EtcdConfig
+from rendezvous.records import Assignment
+
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_STOPPED = 3  # stopped on request (SIGTERM): the node left the job
+
+
+class RunnerSpec(BaseModel):
+    """Everything a runner needs, written by the daemon as JSON next to the job's logs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    assignment: Assignment
+    node_id: str
+    address: str
+    etcd: EtcdConfig
+    job_dir: Path
+    parent_pid: int
