@@ -53,7 +53,7 @@ from rendezvous.records import (
     RestartReason,
     WorkerError,
 )
-from rendezvous.torch_backend import create_etcd_v3_handler
+from rendezvous.torch_backend import EtcdV3RendezvousBackend, create_handler_and_backend
 
 log = logging.getLogger("tidal.runner")
 
@@ -115,9 +115,22 @@ def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> 
 class TidalElasticAgent(LocalElasticAgent):
     """LocalElasticAgent that tells membership changes from failures and reports status."""
 
-    def __init__(self, spec: WorkerSpec, *, reporter: StatusReporter, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        reporter: StatusReporter,
+        backend: EtcdV3RendezvousBackend | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(spec, **kwargs)
         self._reporter = reporter
+        self._backend = backend
+        settings = getattr(spec.rdzv_handler, "settings", None)
+        window = 10.0
+        if settings is not None:
+            window = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+        self._liveness_window_s = 2 * window
 
     def _report_running(self) -> None:
         group = self._worker_group
@@ -166,6 +179,33 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._restart_workers(self._worker_group)
                 members = _participants(spec.rdzv_handler)
                 self._report_running()
+            else:
+                members = self._check_peers(members)
+
+    def _check_peers(self, members: frozenset[str]) -> frozenset[str]:
+        """Restart if a peer of this round stopped heartbeating (hung or partitioned).
+
+        torch notices a silent peer only when a collective times out (gloo's
+        default: 30 minutes). The rendezvous state, synced by
+        ``num_nodes_waiting`` just before, drops a participant whose
+        heartbeats stopped for keep-alive x attempts; that is our signal.
+        Right after an etcd outage every heartbeat is stale, so the membership
+        is re-read instead of trusted.
+        """
+        handler = self._worker_group.spec.rdzv_handler
+        current = _participants(handler)
+        if not members or not current:
+            return current or members
+        if self._backend is not None and self._backend.outage_within(self._liveness_window_s):
+            return current
+        lost = members - current
+        if not lost:
+            return members
+        log.warning("%d peer(s) stopped heartbeating: restarting without them", len(lost))
+        self._reporter.count_restart(RestartReason.NODE_LOST)
+        self._restart_workers(self._worker_group)
+        self._report_running()
+        return _participants(handler)
 
     def _start_group(self) -> None:
         worker_ids = self._start_workers(self._worker_group)
@@ -223,7 +263,7 @@ def run(spec: RunnerSpec) -> int:
         key_root=spec.etcd.root,
         **job.rdzv_conf,
     )
-    handler = create_etcd_v3_handler(params, client=client)
+    handler, backend = create_handler_and_backend(params, client=client)
     worker_spec = WorkerSpec(
         role="trainer",
         local_world_size=job.nproc_per_node,
@@ -237,6 +277,7 @@ def run(spec: RunnerSpec) -> int:
     agent = TidalElasticAgent(
         worker_spec,
         reporter=reporter,
+        backend=backend,
         logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),

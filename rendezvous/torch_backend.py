@@ -90,8 +90,15 @@ def _rendezvous_error(what: str, exc: EtcdError) -> RendezvousConnectionError:
     return RendezvousConnectionError(f"etcd-v3 rendezvous: {what} failed: {exc}")
 
 
-def _ride_out_outage(what: str, call: Callable[[], T], grace_s: float) -> T:
+def _ride_out_outage(
+    what: str,
+    call: Callable[[], T],
+    grace_s: float,
+    on_outage: Callable[[], None] | None = None,
+) -> T:
     """Run ``call``; while etcd is unreachable, retry with backoff for ``grace_s``.
+
+    ``on_outage`` is called at each failed attempt.
 
     Raises:
         EtcdUnavailableError: etcd stayed unreachable for ``grace_s`` seconds.
@@ -103,6 +110,8 @@ def _ride_out_outage(what: str, call: Callable[[], T], grace_s: float) -> T:
         try:
             return call()
         except EtcdUnavailableError as exc:
+            if on_outage is not None:
+                on_outage()
             if time.monotonic() + delay > deadline:
                 raise
             log.warning("etcd unreachable during %s (%s); retrying in %.1f s", what, exc, delay)
@@ -172,6 +181,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
         self._grace_s = outage_grace_s
+        # When etcd last failed to answer (monotonic clock): heartbeats written
+        # around an outage are stale, so liveness judged from them is not trusted.
+        self.last_outage: float | None = None
         self._key = client.keys.rdzv_state(validate_id(run_id, what="rendezvous run id"))
         self._leases = _LeaseCache(client, key_ttl_s)
 
@@ -179,6 +191,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         """See base class."""
         return BACKEND_NAME
+
+    def _mark_outage(self) -> None:
+        self.last_outage = time.monotonic()
+
+    def outage_within(self, seconds: float) -> bool:
+        """True if etcd failed to answer this backend in the last ``seconds``."""
+        return self.last_outage is not None and time.monotonic() - self.last_outage < seconds
 
     @property
     def key(self) -> str:
@@ -188,7 +207,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """See base class."""
         try:
             kv = _ride_out_outage(
-                "reading the state", lambda: self._client.get(self._key), self._grace_s
+                "reading the state",
+                lambda: self._client.get(self._key),
+                self._grace_s,
+                self._mark_outage,
             )
         except EtcdError as exc:
             raise _rendezvous_error("reading the state", exc) from exc
@@ -217,7 +239,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
         try:
             result = _ride_out_outage(
-                "writing the state", lambda: self._leases.with_lease(write), self._grace_s
+                "writing the state",
+                lambda: self._leases.with_lease(write),
+                self._grace_s,
+                self._mark_outage,
             )
         except EtcdError as exc:
             raise _rendezvous_error("writing the state", exc) from exc
@@ -496,12 +521,19 @@ def create_etcd_v3_handler(
             with its TLS and credentials); by default one is built from
             ``params``.
     """
+    return create_handler_and_backend(params, client=client)[0]
+
+
+def create_handler_and_backend(
+    params: RendezvousParameters, *, client: EtcdClient | None = None
+) -> tuple[RendezvousHandler, EtcdV3RendezvousBackend]:
+    """Like :func:`create_etcd_v3_handler`, also returning the backend (for its outage record)."""
     for key, value in DEFAULT_RDZV_CONF.items():
         params.config.setdefault(key, value)
     # See the module docstring: each round publishes its own master address.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     backend, store = create_backend(params, client=client)
-    return create_handler(store, backend, params)
+    return create_handler(store, backend, params), backend
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
@@ -517,6 +549,7 @@ __all__ = [
     "RendezvousStateError",
     "create_backend",
     "create_etcd_v3_handler",
+    "create_handler_and_backend",
     "delete_rendezvous",
     "handler_factory",
 ]

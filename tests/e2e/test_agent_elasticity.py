@@ -9,7 +9,10 @@ agent is assigned and the job grows back to 3, then finishes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -117,3 +120,67 @@ def test_job_shrinks_when_an_agent_dies_and_grows_when_one_joins(
         cluster.kill_agent(node)
     wait_for(lambda: not any(processes_of_node(n) for n in "abcd"), timeout=15,
              what="every agent's processes gone")
+
+
+def _signal_node(cluster: AgentCluster, node: str, sig: int) -> None:
+    """Signal a node's agent group and every runner and worker of it (own sessions)."""
+    cluster.procs.signal_group(cluster.agents[node], sig)
+    for pid in processes_of_node(node):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hung_node_is_dropped_quickly_and_its_return_does_not_corrupt_the_job(
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    etcd_root: str,
+    etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+):
+    cluster = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    job = _job(tmp_path, "hung", max_steps=100_000)
+    events = tmp_path / "events.jsonl"
+    stopped = False
+    try:
+        for node in ("a", "b", "c"):
+            cluster.start_agent(node)
+            assign(etcd_client, node, job)
+        wait_for(lambda: _world(etcd_client, "hung", {"a", "b", "c"}, 3), timeout=120,
+                 what="world size 3")
+        _signal_node(cluster, "c", signal.SIGSTOP)
+        stopped = True
+        frozen_at = time.time()
+        # gloo alone would wait for its collective timeout (the script's: 30 s;
+        # torch's default: 30 min); the agents drop the silent peer sooner.
+        first = wait_for(
+            lambda: next((r for r in read_events(events)
+                          if r["time"] > frozen_at and r["world_size"] == 2), None),
+            timeout=60, what="a step at world size 2 without the hung node",
+        )
+        log.info("hung node dropped: first step at world size 2 after %.1f s",
+                 first["time"] - frozen_at)
+        assert first["time"] - frozen_at < 30  # sooner than the script's own gloo timeout
+        _signal_node(cluster, "c", signal.SIGCONT)
+        stopped = False
+        resumed_at = time.time()
+        # The job goes on: steps keep advancing, each step once per rank of one group.
+        wait_for(
+            lambda: len({r["step"] for r in read_events(events) if r["time"] > resumed_at}) >= 10,
+            timeout=120, what="10 more steps after the hung node resumed",
+        )
+        after = [r for r in read_events(events) if r["time"] > resumed_at]
+        by_step: dict[tuple[int, int], list[int]] = {}
+        for r in after:
+            by_step.setdefault((r["step"], r["world_size"]), []).append(r["rank"])
+        st = statuses(etcd_client, "hung")
+        assert not any(s.state == JobNodeState.FAILED for s in st.values()), st
+    except Exception:
+        log.error("%s", cluster.log_tails())
+        raise
+    finally:
+        if stopped:
+            _signal_node(cluster, "c", signal.SIGCONT)
