@@ -42,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument(
         "--node-name",
-        default=os.environ.get("TIDAL_NODE_ID") or os.environ.get("NODE_NAME") or os.uname().nodename,
+        default=os.environ.get("TIDAL_NODE_ID")
+        or os.environ.get("NODE_NAME")
+        or os.uname().nodename,
     )
     args = parser.parse_args()
     # "{node}" in the checkpoint path gives each node its own file.

@@ -306,6 +306,13 @@ def test_an_endless_sampler_keeps_going_and_has_no_len() -> None:
         len(sampler)
 
 
+def test_a_dataloader_with_workers_takes_an_endless_sampler() -> None:
+    sampler = ElasticBatchSampler(dataset_len=10, global_batch_size=4, rank=0, world_size=2)
+    loader = iter(DataLoader(IndexDataset(10), batch_sampler=sampler, num_workers=2))
+    delivered = [next(loader).tolist() for _ in range(12)]
+    assert delivered == [sampler.indices_for_step(step)[0] for step in range(12)]
+
+
 class IndexDataset(Dataset[int]):
     def __init__(self, size: int) -> None:
         self.size = size

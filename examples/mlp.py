@@ -1,0 +1,234 @@
+"""A tiny MLP on synthetic data, trained elastically with tidal's ``checkpoints`` library.
+
+It is the smallest complete elastic training script: restore the newest
+checkpoint (saved at any world size), draw each step's samples from the
+elastic sampler so that the global batch and the sample order do not depend on
+the world size, average gradients with DDP over gloo, and checkpoint every few
+steps (and on SIGTERM, with exit code 75). The tests use it for the acid test:
+a run cut into segments at different world sizes ends with the same parameters
+as an uninterrupted one.
+
+Run it with torchrun alone, or under tidal (which sets the same environment)::
+
+    torchrun --standalone --nproc-per-node=2 examples/mlp.py \
+        --checkpoint-dir /tmp/mlp --total-steps 60 --dtype float64
+
+It also runs as a plain single process (``python examples/mlp.py ...``).
+Each rank logs one line per step: ``rank R world_size W step S loss L``.
+``--stop-after-step K`` saves a checkpoint once K steps are complete and exits
+0; the next run resumes from it. ``--record PATH`` makes rank 0 write, at the
+end, a JSON file with the final parameters and the sample indices every rank
+actually received at each step of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import checkpoints as ck
+
+log = logging.getLogger("examples.mlp")
+
+GLOO_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--total-steps", type=int, default=100)
+    parser.add_argument(
+        "--stop-after-step", type=int, default=None, help="save and exit 0 once K steps are done"
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=int(os.environ.get("TIDAL_GLOBAL_BATCH_SIZE", "32")),
+        help="samples per optimizer step over all ranks (default: $TIDAL_GLOBAL_BATCH_SIZE or 32)",
+    )
+    parser.add_argument("--max-local-batch", type=int, default=None)
+    parser.add_argument("--dataset-size", type=int, default=500)
+    parser.add_argument("--features", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    parser.add_argument("--every-steps", type=int, default=10)
+    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--record", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+class SyntheticRegression(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """``y = sin(x . w) + noise``, the same on every rank and every run; items carry their index."""
+
+    def __init__(self, *, size: int, features: int, dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(size, features, generator=generator, dtype=dtype)
+        w = torch.randn(features, 1, generator=generator, dtype=dtype)
+        noise = torch.randn(size, 1, generator=generator, dtype=dtype)
+        self.y = torch.sin(self.x @ w) + 0.1 * noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+def make_model(args: argparse.Namespace, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(args.seed)
+    return nn.Sequential(
+        nn.Linear(args.features, args.hidden, dtype=dtype),
+        nn.Tanh(),
+        nn.Linear(args.hidden, args.hidden, dtype=dtype),
+        nn.Tanh(),
+        nn.Linear(args.hidden, 1, dtype=dtype),
+    )
+
+
+def setup_distributed() -> tuple[int, int]:
+    """Join the job's process group if launched by torchrun/tidal; return (rank, world size)."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def train_step(
+    model: nn.Module,
+    batches: Any,
+    plan: ck.BatchPlan,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[torch.Tensor, list[int]]:
+    """One optimizer step over this rank's micro-batches; returns (local mean loss, samples)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros(())
+    samples: list[int] = []
+    for i in range(plan.accumulation_steps):
+        x, y, index = next(batches)
+        # Gradients are all-reduced only on the step's last micro-batch.
+        last = i == plan.accumulation_steps - 1
+        no_sync = getattr(model, "no_sync", None)
+        sync_ctx = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+        with sync_ctx:
+            per_sample = ((model(x) - y) ** 2).sum(dim=1)
+            (per_sample.sum() * plan.loss_scale).backward()
+        loss_sum += per_sample.detach().sum().to(loss_sum.dtype)
+        samples.extend(index.tolist())
+    optimizer.step()
+    return loss_sum / plan.local_batch_size, samples
+
+
+def write_record(
+    path: Path, *, model: nn.Module, world_size: int, first_step: int, taken: list[list[Any]]
+) -> None:
+    """Rank 0 writes the final parameters and every rank's samples per step (atomically)."""
+    per_rank: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.gather_object(taken, per_rank if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return
+    else:
+        per_rank = [taken]
+    steps = [
+        {"step": entries[0][0], "samples": [i for entry in entries for i in entry[1]]}
+        for entries in zip(*per_rank, strict=True)
+    ]
+    record = {
+        "world_size": world_size,
+        "first_step": first_step,
+        "steps": steps,
+        "params": {
+            name: {"shape": list(t.shape), "values": t.detach().flatten().tolist()}
+            for name, t in model.state_dict().items()
+        },
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
+    """Restore, train until ``--total-steps`` or ``--stop-after-step``, save, record."""
+    dtype = getattr(torch, args.dtype)
+    model = make_model(args, dtype)
+    ddp_model = DistributedDataParallel(model) if world_size > 1 else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    ckpt = ck.Checkpointer(
+        args.checkpoint_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        every_steps=args.every_steps,
+        async_save=args.async_save,
+    )
+    resume = ckpt.restore()
+    log.info(
+        "start at step %d (fresh=%s, saved at world size %s), world_size %d",
+        resume.step,
+        resume.fresh,
+        resume.saved_world_size,
+        world_size,
+    )
+    end_step = args.total_steps
+    if args.stop_after_step is not None:
+        end_step = min(end_step, args.stop_after_step)
+    dataset = SyntheticRegression(size=args.dataset_size, features=args.features, dtype=dtype)
+    sampler = ck.ElasticBatchSampler(
+        dataset_len=len(dataset),
+        global_batch_size=args.global_batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=args.seed,
+        start_step=resume.step,
+        max_local_batch=args.max_local_batch,
+        end_step=max(end_step, resume.step),
+    )
+    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers))
+    taken: list[list[Any]] = []
+    step = resume.step
+    while step < end_step:
+        loss, samples = train_step(ddp_model, batches, sampler.plan, optimizer)
+        scheduler.step()
+        taken.append([step, samples])
+        log.info("rank %d world_size %d step %d loss %.6f", rank, world_size, step, loss)
+        step += 1
+        ckpt.maybe_save(step, loss=loss, samples=args.global_batch_size)
+    if step > resume.step:
+        ckpt.save(step)
+    ckpt.close()
+    log.info("done at step %d", step)
+    if args.record is not None:
+        write_record(
+            args.record, model=model, world_size=world_size, first_step=resume.step, taken=taken
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank, world_size = setup_distributed()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(message)s")
+    try:
+        train(args, rank=rank, world_size=world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
