@@ -35,6 +35,7 @@ from pydantic import SecretStr
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
+    WorkerGroup,
     WorkerSpec,
     WorkerState,
 )
@@ -56,6 +57,10 @@ from rendezvous.records import (
 from rendezvous.torch_backend import EtcdV3RendezvousBackend, create_handler_and_backend
 
 log = logging.getLogger("tidal.runner")
+
+# Workers of a group that failed or lost a peer are blocked in a collective
+# that will not complete; SIGTERM cannot save anything there.
+FAILED_STOP_TIMEOUT_S = 2.0
 
 
 def _participants(handler: RendezvousHandler) -> frozenset[str]:
@@ -126,11 +131,20 @@ class TidalElasticAgent(LocalElasticAgent):
         super().__init__(spec, **kwargs)
         self._reporter = reporter
         self._backend = backend
+        # How long stopped workers get between SIGTERM and SIGKILL. A group
+        # restarted because a worker or a peer failed is stuck in a collective
+        # that will not return: kill it quickly. A healthy group that is
+        # resized gets the full grace, to checkpoint at its next step.
+        self._grace_s = float(kwargs.get("shutdown_timeout", 30))
+        self._stop_timeout_s = self._grace_s
         settings = getattr(spec.rdzv_handler, "settings", None)
         window = 10.0
         if settings is not None:
             window = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
         self._liveness_window_s = 2 * window
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
 
     def _report_running(self) -> None:
         group = self._worker_group
@@ -157,6 +171,7 @@ class TidalElasticAgent(LocalElasticAgent):
                 stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
                 self._reporter.update(error=root_cause(result.failures, stderrs))
                 self._reporter.count_restart(RestartReason.WORKER_FAILED)
+                self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.STOPPED
                 self._rendezvous(self._worker_group)
@@ -176,6 +191,7 @@ class TidalElasticAgent(LocalElasticAgent):
             elif spec.rdzv_handler.num_nodes_waiting() > 0:
                 log.info("nodes are waiting to join: restarting at a larger size")
                 self._reporter.count_restart(RestartReason.NODE_JOINED)
+                self._stop_timeout_s = self._grace_s
                 self._restart_workers(self._worker_group)
                 members = _participants(spec.rdzv_handler)
                 self._report_running()
@@ -203,6 +219,7 @@ class TidalElasticAgent(LocalElasticAgent):
             return members
         log.warning("%d peer(s) stopped heartbeating: restarting without them", len(lost))
         self._reporter.count_restart(RestartReason.NODE_LOST)
+        self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
         self._restart_workers(self._worker_group)
         self._report_running()
         return _participants(handler)

@@ -29,6 +29,7 @@ import datetime
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--record", type=Path, default=None)
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, help="pause after each step (demos, tests)"
+    )
     return parser.parse_args(argv)
 
 
@@ -209,6 +213,8 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
         log.info("rank %d world_size %d step %d loss %.6f", rank, world_size, step, loss)
         step += 1
         ckpt.maybe_save(step, loss=loss, samples=args.global_batch_size)
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
     if step > resume.step:
         ckpt.save(step)
     ckpt.close()
