@@ -15,6 +15,7 @@ defaults.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import signal
 import sys
 import threading
@@ -108,6 +109,12 @@ def agent_command(**flags: object) -> None:
         settings = AgentSettings(**given)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    own_log = logging.handlers.RotatingFileHandler(
+        settings.run_dir / "agent.log", maxBytes=10 * 1024 * 1024, backupCount=3
+    )
+    own_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(own_log)
     agent = Agent(settings)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())
