@@ -73,10 +73,10 @@ class JobStatusCollector(Collector):
             "Step of the last checkpoint the workers reported.",
             labels=["job"],
         )
-        exits = CounterMetricFamily(
-            "tidal_agent_worker_failures",
-            "Worker group failures on this node, by the first failing worker's exit code.",
-            labels=["job", "code"],
+        exit_code = GaugeMetricFamily(
+            "tidal_agent_job_last_failure_exit_code",
+            "Exit code of the first failing worker of the job's last failure on this node.",
+            labels=["job"],
         )
         try:
             statuses = self._statuses()
@@ -95,8 +95,8 @@ class JobStatusCollector(Collector):
             if st.last_checkpoint_step is not None:
                 ckpt.add_metric([st.job_id], st.last_checkpoint_step)
             if st.error is not None:
-                exits.add_metric([st.job_id, str(st.error.exit_code)], 1)
-        yield from (world, state, restarts, step, ckpt, exits)
+                exit_code.add_metric([st.job_id], st.error.exit_code)
+        yield from (world, state, restarts, step, ckpt, exit_code)
 
 
 class AgentMetrics:
