@@ -1,0 +1,44 @@
+"""tidal's checkpoints library: the only tidal code a training script imports.
+
+Atomic, verifiable, asynchronous checkpoints that resume at any world size, a
+graceful stop on SIGTERM (exit code :data:`EXIT_PREEMPTED`), progress reports
+for the node agent, and an elastic data position. It depends on torch and the
+standard library only. See docs/checkpoints.md.
+"""
+
+from checkpoints.checkpointer import Checkpointer, Resume, SaveRecord
+from checkpoints.data import BatchPlan, BatchPlanError, ElasticBatchSampler, scale_lr
+from checkpoints.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStateError,
+    CheckpointWriteError,
+)
+from checkpoints.progress import (
+    PROGRESS_DIR_ENV,
+    FileProgressReporter,
+    NullProgressReporter,
+    ProgressReporter,
+    create_progress_reporter,
+)
+from checkpoints.signals import EXIT_PREEMPTED
+
+__all__ = [
+    "EXIT_PREEMPTED",
+    "PROGRESS_DIR_ENV",
+    "BatchPlan",
+    "BatchPlanError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointStateError",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "ElasticBatchSampler",
+    "FileProgressReporter",
+    "NullProgressReporter",
+    "ProgressReporter",
+    "Resume",
+    "SaveRecord",
+    "create_progress_reporter",
+    "scale_lr",
+]

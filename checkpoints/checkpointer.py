@@ -1,0 +1,495 @@
+"""The checkpointer a training script adopts in a few lines: restore, maybe_save, close.
+
+::
+
+    ckpt = Checkpointer(directory, model=model, optimizer=optimizer, every_steps=100)
+    resume = ckpt.restore()                    # newest valid checkpoint, any world size
+    for step in range(resume.step, total_steps):
+        ...                                    # one optimizer step
+        ckpt.maybe_save(step + 1, loss=loss, samples=global_batch)
+    ckpt.close()
+
+Replicated (DDP) state: rank 0 snapshots and writes; every rank reads. Sharded
+(FSDP2 / DTensor) state: every rank writes its shards through DCP. Saves are
+asynchronous by default: the loop waits only for the snapshot. A periodic save
+that comes due while the previous one is still being written is skipped with a
+log line (replicated) or waits for it (sharded, where ranks must agree);
+:meth:`Checkpointer.save`, the stop on SIGTERM and :meth:`Checkpointer.close`
+always wait. The policy, the layout and the exit code are documented in
+docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoints import sharded as sharded_io
+from checkpoints.async_save import BackgroundWriter, StateSnapshot
+from checkpoints.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from checkpoints.progress import ProgressReporter, create_progress_reporter
+from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
+from checkpoints.state import (
+    Stateful,
+    apply_state,
+    capture_rng,
+    load_replicated,
+    write_replicated,
+)
+from checkpoints.storage import CheckpointStore, Manifest
+
+__all__ = ["Checkpointer", "Resume", "SaveRecord"]
+
+log = logging.getLogger(__name__)
+
+_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where training resumes.
+
+    Attributes:
+        step: completed optimizer steps in the restored checkpoint (0 when fresh).
+        fresh: no usable checkpoint was found; nothing was loaded.
+        path: the checkpoint loaded, if any.
+        saved_world_size: the world size it was saved at, if any.
+        extra: the user extras saved with it (``{}`` when fresh).
+    """
+
+    step: int
+    fresh: bool
+    path: Path | None
+    saved_world_size: int | None
+    extra: dict[str, Any]
+
+
+@dataclasses.dataclass
+class SaveRecord:
+    """One save as this rank saw it (``save_seconds`` is None while in flight)."""
+
+    step: int
+    stall_seconds: float
+    save_seconds: float | None = None
+    path: Path | None = None
+    error: str | None = None
+
+
+class Checkpointer:
+    """Atomic, verifiable, asynchronous checkpoints of one training job.
+
+    Args:
+        directory: the checkpoint root, shared by all ranks.
+        model: the model (the module inside DDP; FSDP2 modules with ``sharded=True``).
+        optimizer: its optimizer.
+        scheduler: an LR scheduler (anything with state_dict/load_state_dict).
+        scaler: a grad scaler.
+        extra_state: returns user extras (a dict of JSON-like values and tensors) to save.
+        load_extra_state: receives them on restore.
+        every_steps: save when the completed step count is a multiple of this.
+        every_seconds: save when this long has passed since the last save.
+        keep: how many checkpoints to keep (the newest by step).
+        async_save: write in the background (the loop waits only for the snapshot).
+        sharded: save sharded state through torch.distributed.checkpoint.
+        handle_sigterm: save at the next step boundary on SIGTERM and exit with 75.
+        sigterm_grace_seconds: after SIGTERM, exit at once if still running this long.
+        progress: where to report progress (default: from ``TIDAL_PROGRESS_DIR``).
+
+    Raises:
+        ValueError: when an option is out of range.
+
+    With torch.distributed initialized (and more than one rank), every rank
+    must construct the checkpointer, call ``restore`` and call ``maybe_save``
+    equally often: they make collective calls on private gloo groups.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
+        extra_state: Callable[[], dict[str, Any]] | None = None,
+        load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep: int = 3,
+        async_save: bool = True,
+        sharded: bool = False,
+        handle_sigterm: bool = True,
+        sigterm_grace_seconds: float = 60.0,
+        progress: ProgressReporter | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep ({keep}) must be at least 1")
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps ({every_steps}) must be at least 1")
+        if every_seconds is not None and every_seconds <= 0:
+            raise ValueError(f"every_seconds ({every_seconds}) must be positive")
+        self._model, self._optimizer = model, optimizer
+        self._scheduler, self._scaler = scheduler, scaler
+        self._extra_state, self._load_extra_state = extra_state, load_extra_state
+        self._every_steps, self._every_seconds = every_steps, every_seconds
+        self._keep, self._async, self._sharded = keep, async_save, sharded
+        self._store = CheckpointStore(directory)
+        self._init_distributed()
+        self._snapshot = StateSnapshot()
+        self._small_snapshot = StateSnapshot()
+        self._writer = BackgroundWriter()
+        self._stop = StopSignal(grace_seconds=sigterm_grace_seconds)
+        if handle_sigterm:
+            self._stop.install()
+        self._progress = progress or create_progress_reporter(rank=self.rank)
+        self._last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._reported: SaveRecord | None = None
+        self.saves: collections.deque[SaveRecord] = collections.deque(maxlen=100)
+        self._closed = False
+
+    def _init_distributed(self) -> None:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self._group: dist.ProcessGroup | None = None
+        self._dcp_group: dist.ProcessGroup | None = None
+        self._consensus: StepConsensus | None = None
+        if distributed:
+            # Private gloo groups: flags and DCP never share the training group, nor each other.
+            self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+            self._consensus = StepConsensus(self._group, width=2)
+            if self._sharded:
+                self._dcp_group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint root."""
+        return self._store.root
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this process received SIGTERM (the stop happens at the next maybe_save)."""
+        return self._stop.requested
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self) -> Resume:
+        """Load the newest valid checkpoint (saved at any world size), or start fresh.
+
+        Rank 0 verifies the candidates newest first; one that is truncated,
+        half-written, fails its checksum or is refused by ``torch.load(weights_only=True)``
+        is logged (which file, why), moved aside and skipped. The choice is
+        broadcast so that every rank loads the same one.
+
+        Returns:
+            Where to resume.
+
+        Raises:
+            CheckpointError: when another rank cannot read the checkpoint rank 0
+                chose, or the checkpoint does not fit the model.
+        """
+        chosen, state = -1, None
+        if self.rank == 0:
+            stale = self._store.remove_stale()
+            if stale:
+                log.info("removed %d unfinished save(s): %s", len(stale), ", ".join(stale))
+            chosen, state = self._choose()
+        if self._group is not None:
+            box = torch.tensor([chosen], dtype=torch.int64)
+            dist.broadcast(box, src=0, group=self._group)
+            chosen = int(box.item())
+        if chosen < 0:
+            log.info("no usable checkpoint under %s: starting fresh", self.directory)
+            return Resume(step=0, fresh=True, path=None, saved_world_size=None, extra={})
+        path = self._store.path_of(chosen)
+        manifest, state = self._load_chosen(path, state)
+        apply_state(
+            state,
+            model=None if self._sharded else self._model,
+            optimizer=None if self._sharded else self._optimizer,
+            scheduler=self._scheduler,
+            scaler=self._scaler,
+            path=path,
+        )
+        extra = dict(state.get("extra") or {})
+        if self._load_extra_state is not None:
+            self._load_extra_state(extra)
+        self._last_saved_step = chosen
+        self._last_save_time = time.monotonic()
+        log.info(
+            "restored step %d from %s (saved at world size %d, now %d)",
+            chosen,
+            path,
+            manifest.world_size,
+            self.world_size,
+        )
+        return Resume(
+            step=chosen,
+            fresh=False,
+            path=path,
+            saved_world_size=manifest.world_size,
+            extra=extra,
+        )
+
+    def _choose(self) -> tuple[int, dict[str, Any] | None]:
+        """Rank 0: the newest checkpoint that verifies (and, if replicated, loads)."""
+        rejected: list[int] = []
+        for step in self._store.steps():
+            path = self._store.path_of(step)
+            try:
+                if self._sharded:
+                    manifest = self._store.verify(path)
+                    if manifest.kind != "sharded":
+                        raise CheckpointCorruptError(path, None, "it is not a sharded checkpoint")
+                    state = None
+                else:
+                    _, state = load_replicated(self._store, path)
+            except CheckpointCorruptError as exc:
+                log.warning("%s; falling back to an older checkpoint", exc)
+                rejected.append(step)
+                continue
+            for bad in rejected:
+                moved = self._store.quarantine(bad)
+                log.warning("moved rejected checkpoint of step %d aside to %s", bad, moved)
+            return step, state
+        return -1, None
+
+    def _load_chosen(
+        self, path: Path, state: dict[str, Any] | None
+    ) -> tuple[Manifest, dict[str, Any]]:
+        try:
+            if self._sharded:
+                return sharded_io.load_sharded(
+                    self._store,
+                    path,
+                    model=self._model,
+                    optimizer=self._optimizer,
+                    group=self._dcp_group,
+                    checksums=self.rank == 0,
+                )
+            if state is not None:
+                return self._store.read_manifest(path), state
+            return load_replicated(self._store, path)
+        except CheckpointCorruptError as exc:
+            raise CheckpointError(
+                f"rank {self.rank} cannot load the checkpoint rank 0 chose: {exc}"
+            ) from exc
+
+    # --------------------------------------------------------------------- save
+
+    def maybe_save(self, step: int, *, loss: Any = None, samples: int | None = None) -> bool:
+        """Call after every optimizer step: report progress, save when due, stop on SIGTERM.
+
+        Args:
+            step: completed optimizer steps.
+            loss: this step's loss (a tensor is read only when progress is written).
+            samples: samples this step consumed over all ranks (for samples/s).
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            SystemExit: with ``EXIT_PREEMPTED`` (75) after saving, when a stop was requested.
+        """
+        self._progress.record(step=step, loss=loss, samples=samples)
+        self._poll_writer()
+        stop = self._stop.requested
+        time_due = self._time_due()
+        if self._consensus is not None:
+            agreed_stop, agreed_time = self._consensus.exchange([int(stop), int(time_due)])
+            stop = bool(agreed_stop)
+            if self._sharded:  # every rank must take part: decide on the agreed flag
+                time_due = bool(agreed_time)
+        if stop:
+            self._stop_now(step)
+        steps_due = self._every_steps is not None and step % self._every_steps == 0
+        if not (steps_due or time_due):
+            return False
+        return self._save(step, wait_for_previous=self._sharded, block=not self._async)
+
+    def save(self, step: int) -> None:
+        """Save now (waiting for a save in flight first); asynchronous if ``async_save``.
+
+        Raises:
+            CheckpointWriteError: when ``async_save`` is off and the write fails.
+        """
+        self._save(step, wait_for_previous=True, block=not self._async)
+
+    def close(self) -> None:
+        """Finish the save in flight, stop handling SIGTERM, write a last progress report.
+
+        Raises:
+            CheckpointWriteError: when the last save failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.wait()
+        self._poll_writer()
+        if self._consensus is not None:
+            self._consensus.drain()
+        self._stop.uninstall()
+        self._progress.flush()
+        self._raise_if_failed()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _time_due(self) -> bool:
+        if self._every_seconds is None:
+            return False
+        return time.monotonic() - self._last_save_time >= self._every_seconds
+
+    def _stop_now(self, step: int) -> None:
+        log.warning("stop requested: saving step %d, then exiting with %d", step, EXIT_PREEMPTED)
+        self._progress.stop_requested()
+        self._save(step, wait_for_previous=True, block=True)
+        if self._consensus is not None:
+            self._consensus.drain()
+            assert self._group is not None
+            dist.barrier(group=self._group)  # nobody leaves before the checkpoint is committed
+        self.close()
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _save(self, step: int, *, wait_for_previous: bool, block: bool) -> bool:
+        if step == self._last_saved_step:
+            self._writer.wait() if block else None
+            self._poll_writer()
+            return False
+        if self._writer.busy:
+            if not wait_for_previous:
+                log.info("skipping the checkpoint of step %d: the previous save is still being "
+                         "written (raise every_steps/every_seconds if this repeats)", step)
+                return False
+            self._writer.wait()
+            self._poll_writer()
+        started = time.monotonic()
+        self._last_saved_step = step
+        self._last_save_time = started
+        if self._sharded:
+            self._start_sharded(step, started, block=block)
+        elif self.rank == 0:
+            self._start_replicated(step, started)
+        if block:
+            self._writer.wait()
+            self._poll_writer()
+            self._raise_if_failed()
+        return True
+
+    def _small_state(self, step: int) -> dict[str, Any]:
+        extra = self._extra_state() if self._extra_state is not None else {}
+        if not isinstance(extra, dict):
+            raise CheckpointError(f"extra_state returned a {type(extra).__name__}, not a dict")
+        return {
+            "step": step,
+            "world_size": self.world_size,
+            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "rng": capture_rng(),
+            "extra": extra,
+        }
+
+    def _start_replicated(self, step: int, started: float) -> None:
+        tree = self._small_state(step)
+        tree["model"] = self._model.state_dict()
+        tree["optimizer"] = self._optimizer.state_dict() if self._optimizer is not None else None
+        frozen = self._snapshot.take(tree)
+        record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
+        self.saves.append(record)
+
+        def job() -> None:
+            path, manifest = write_replicated(
+                self._store, frozen, step=step, world_size=self.world_size, started=started
+            )
+            self._finish(record, path, manifest, started)
+
+        self._submit(job, record)
+
+    def _start_sharded(self, step: int, started: float, *, block: bool) -> None:
+        temp = self._store.new_temp_dir(step, token="sharded")  # noqa: S106 (a name, not a secret)
+        state = sharded_io.sharded_state(self._model, self._optimizer)
+        small = self._small_snapshot.take(self._small_state(step)) if self.rank == 0 else None
+        future = sharded_io.start_sharded_save(
+            state, temp, group=self._dcp_group, use_async=not block
+        )
+        record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
+        self.saves.append(record)
+
+        def job() -> None:
+            if future is not None:
+                future.result()
+            if small is None:
+                record.save_seconds = time.monotonic() - started
+                return
+            path, manifest = sharded_io.commit_sharded(
+                self._store, temp, small, step=step, world_size=self.world_size, started=started
+            )
+            self._finish(record, path, manifest, started)
+
+        self._submit(job, record)
+
+    def _finish(self, record: SaveRecord, path: Path, manifest: Manifest, started: float) -> None:
+        """In the writer thread, after a commit: prune, then note the result."""
+        pruned = self._store.prune(self._keep)
+        if pruned:
+            log.debug("deleted checkpoints of steps %s", pruned)
+        record.path = path
+        record.save_seconds = time.monotonic() - started
+
+    def _submit(self, job: Callable[[], None], record: SaveRecord) -> None:
+        def guarded() -> None:
+            try:
+                job()
+            except BaseException as exc:
+                record.error = str(exc)
+                raise
+
+        self._writer.submit(guarded, name=f"checkpoint-step-{record.step}")
+
+    def _poll_writer(self) -> None:
+        """On the training thread: report a finished save once."""
+        if self._writer.busy or not self.saves:
+            return
+        record = self.saves[-1]
+        if record is self._reported:
+            return
+        self._reported = record
+        if record.error is not None:
+            self._progress.save_failed(record.error)
+            self._last_saved_step = None  # let the next save of this step try again
+        elif record.path is not None and record.save_seconds is not None:
+            log.info(
+                "checkpoint of step %d committed in %.2f s (training blocked %.3f s)",
+                record.step,
+                record.save_seconds,
+                record.stall_seconds,
+            )
+            self._progress.checkpoint_saved(
+                step=record.step,
+                wall_time=time.time(),
+                save_seconds=record.save_seconds,
+                stall_seconds=record.stall_seconds,
+            )
+
+    def _raise_if_failed(self) -> None:
+        error = self._writer.last_error
+        if error is None:
+            return
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointWriteError(f"the last checkpoint save failed: {error}") from error
+

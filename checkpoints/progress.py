@@ -1,0 +1,261 @@
+"""Progress reporting from a worker to its node agent: one small JSON file per rank.
+
+When ``TIDAL_PROGRESS_DIR`` is set (the agent sets it), each rank keeps
+``<dir>/rank-<RANK>.json`` up to date, at most once per ``interval`` seconds,
+by writing a temporary file and renaming it over the old one (readers never
+see half a file). Nothing is fsynced: this is live status, not durable state.
+Under plain torchrun or a single process the variable is unset and
+:class:`NullProgressReporter` does nothing. The agent turns the files into
+Prometheus metrics at scrape time; workers never serve metrics themselves,
+so nothing piles up across restarts the way prometheus_client's
+multiprocess files do.
+
+The per-step cost is a few attribute updates: a loss tensor is kept by
+reference and converted with ``.item()`` only when the file is written, so no
+step waits for the device. The file format is in docs/checkpoints.md; its
+fields are :data:`PROGRESS_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PROGRESS_DIR_ENV",
+    "PROGRESS_FIELDS",
+    "PROGRESS_FORMAT",
+    "FileProgressReporter",
+    "NullProgressReporter",
+    "ProgressReporter",
+    "create_progress_reporter",
+]
+
+log = logging.getLogger(__name__)
+
+PROGRESS_DIR_ENV = "TIDAL_PROGRESS_DIR"
+PROGRESS_FORMAT = "tidal-progress"
+PROGRESS_FIELDS = (
+    "format",
+    "version",
+    "rank",
+    "world_size",
+    "pid",
+    "restart_count",
+    "time",
+    "step",
+    "samples_per_second",
+    "loss",
+    "last_checkpoint_step",
+    "last_checkpoint_time",
+    "last_save_seconds",
+    "last_stall_seconds",
+    "last_save_error",
+    "stop_requested",
+)
+
+
+class ProgressReporter(abc.ABC):
+    """Where a worker reports its progress.
+
+    Contract: every method is cheap and never raises (a failure to report must
+    not stop training); ``record`` is called once per step and must not wait
+    for the device.
+    """
+
+    @abc.abstractmethod
+    def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
+        """Note that ``step`` steps are complete, with this step's loss and sample count."""
+
+    @abc.abstractmethod
+    def checkpoint_saved(
+        self, *, step: int, wall_time: float, save_seconds: float, stall_seconds: float
+    ) -> None:
+        """Note a committed checkpoint: its step, Unix time, total and blocking durations."""
+
+    @abc.abstractmethod
+    def save_failed(self, error: str) -> None:
+        """Note that a save failed (cleared by the next successful one)."""
+
+    @abc.abstractmethod
+    def stop_requested(self) -> None:
+        """Note that the worker was asked to stop (SIGTERM)."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Report now, whatever the interval."""
+
+
+class NullProgressReporter(ProgressReporter):
+    """Reports nothing: the twin used outside tidal."""
+
+    def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
+        """Do nothing."""
+
+    def checkpoint_saved(
+        self, *, step: int, wall_time: float, save_seconds: float, stall_seconds: float
+    ) -> None:
+        """Do nothing."""
+
+    def save_failed(self, error: str) -> None:
+        """Do nothing."""
+
+    def stop_requested(self) -> None:
+        """Do nothing."""
+
+    def flush(self) -> None:
+        """Do nothing."""
+
+
+class FileProgressReporter(ProgressReporter):
+    """Writes ``rank-<rank>.json`` in ``directory`` atomically, at most once per interval.
+
+    Args:
+        directory: created if missing.
+        rank: this worker's global rank.
+        world_size: the job's current world size.
+        restart_count: how often the worker group was restarted, when known.
+        interval: minimum seconds between writes.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        restart_count: int | None = None,
+        interval: float = 1.0,
+    ) -> None:
+        self.path = Path(directory) / f"rank-{rank}.json"
+        self._temp = self.path.with_name(f".rank-{rank}.json.tmp")
+        self._interval = interval
+        self._fixed = {
+            "format": PROGRESS_FORMAT,
+            "version": 1,
+            "rank": rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "restart_count": restart_count,
+        }
+        self._step: int | None = None
+        self._loss: Any = None
+        self._samples = 0
+        self._window_start = time.monotonic()
+        self._rate: float | None = None
+        self._last_write = float("-inf")
+        self._checkpoint: dict[str, Any] = {}
+        self._error: str | None = None
+        self._stop = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("progress directory %s is unusable: %s", self.path.parent, exc)
+
+    def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
+        """Remember this step; write the file if the interval has passed."""
+        self._step = step
+        if loss is not None:
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if samples:
+            self._samples += samples
+        now = time.monotonic()
+        if now - self._last_write >= self._interval:
+            self._write(now)
+
+    def checkpoint_saved(
+        self, *, step: int, wall_time: float, save_seconds: float, stall_seconds: float
+    ) -> None:
+        """Remember the committed checkpoint (written with the next report)."""
+        self._checkpoint = {
+            "last_checkpoint_step": step,
+            "last_checkpoint_time": wall_time,
+            "last_save_seconds": round(save_seconds, 6),
+            "last_stall_seconds": round(stall_seconds, 6),
+        }
+        self._error = None
+
+    def save_failed(self, error: str) -> None:
+        """Remember the failure and report it now."""
+        self._error = error
+        self.flush()
+
+    def stop_requested(self) -> None:
+        """Remember the stop request and report it now."""
+        self._stop = True
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the file now."""
+        self._write(time.monotonic())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The report as it would be written now (converts the loss)."""
+        loss = self._loss
+        if isinstance(loss, torch.Tensor):
+            loss = loss.float().mean().item() if loss.numel() else None
+        body: dict[str, Any] = dict(self._fixed)
+        body.update(
+            time=time.time(),
+            step=self._step,
+            samples_per_second=self._rate,
+            loss=float(loss) if isinstance(loss, int | float) else None,
+            last_checkpoint_step=None,
+            last_checkpoint_time=None,
+            last_save_seconds=None,
+            last_stall_seconds=None,
+            last_save_error=self._error,
+            stop_requested=self._stop,
+        )
+        body.update(self._checkpoint)
+        return body
+
+    def _write(self, now: float) -> None:
+        elapsed = now - self._window_start
+        if self._samples and elapsed > 0:
+            self._rate = round(self._samples / elapsed, 3)
+            self._samples = 0
+            self._window_start = now
+        self._last_write = now
+        try:
+            body = self.snapshot()
+            self._temp.write_text(json.dumps(body) + "\n", encoding="utf-8")
+            os.replace(self._temp, self.path)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("could not write progress file %s: %s", self.path, exc)
+
+
+def create_progress_reporter(
+    environ: Mapping[str, str] | None = None, *, rank: int | None = None, interval: float = 1.0
+) -> ProgressReporter:
+    """A file reporter when ``TIDAL_PROGRESS_DIR`` is set, else the no-op twin.
+
+    Args:
+        environ: the environment to read (default: ``os.environ``).
+        rank: this worker's rank (default: ``RANK``, else 0).
+        interval: minimum seconds between writes.
+    """
+    env = os.environ if environ is None else environ
+    directory = env.get(PROGRESS_DIR_ENV)
+    if not directory:
+        return NullProgressReporter()
+    restart = env.get("TORCHELASTIC_RESTART_COUNT")
+    with contextlib.suppress(ValueError):
+        return FileProgressReporter(
+            directory,
+            rank=rank if rank is not None else int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            restart_count=int(restart) if restart and restart.isdigit() else None,
+            interval=interval,
+        )
+    log.warning("RANK or WORLD_SIZE is not an integer; progress reporting is off")
+    return NullProgressReporter()

@@ -1,0 +1,144 @@
+"""Graceful stop: SIGTERM becomes a checkpoint at the next step boundary and exit code 75.
+
+The node agent sends SIGTERM when it drains or rescales a node. The handler
+only sets a flag; the checkpointer notices it at the next ``maybe_save``, saves
+(synchronously, flushed), and raises ``SystemExit(EXIT_PREEMPTED)``. A second
+SIGTERM, or ``grace_seconds`` passing without the process exiting, ends the
+process at once with the default action of the signal (status "killed by
+SIGTERM"), so a stuck save never holds a node hostage.
+
+In a distributed job the ranks must stop at the *same* step: in a sharded save
+every rank takes part, and in a replicated one a rank that runs one step
+further than rank 0 hangs in its all-reduce. :class:`StepConsensus` agrees on
+per-step flags with an all-reduce(MAX) on a private gloo group, one step late:
+the reduction launched at step ``s`` runs in the background while step ``s+1``
+computes, and is read at the end of step ``s+1``. Every rank reads the same
+result at the same step, so they agree without waiting for each other beyond
+what DDP already does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["EXIT_PREEMPTED", "StepConsensus", "StopSignal"]
+
+log = logging.getLogger(__name__)
+
+#: Exit code after a requested stop with a checkpoint written (EX_TEMPFAIL): "restart me".
+EXIT_PREEMPTED = 75
+
+
+class StopSignal:
+    """Turns SIGTERM into a stop request honoured at the next step boundary.
+
+    Args:
+        grace_seconds: after the first signal, exit at once if still running this long.
+        signum: the signal to handle.
+    """
+
+    def __init__(self, *, grace_seconds: float = 60.0, signum: int = signal.SIGTERM) -> None:
+        self._grace = grace_seconds
+        self._signum = signum
+        self._previous: Any = None
+        self._installed = False
+        self._requested_at: float | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop was requested."""
+        return self._requested_at is not None
+
+    def install(self) -> bool:
+        """Handle the signal from now on; False (and a log line) outside the main thread."""
+        if self._installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not handling signal %d: the checkpointer was not made in the main thread",
+                        self._signum)
+            return False
+        self._previous = signal.signal(self._signum, self._handle)
+        self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        """Put the previous handler back and cancel the grace timer."""
+        if self._installed:
+            signal.signal(self._signum, self._previous)
+            self._installed = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def request(self) -> None:
+        """Ask for a stop as if the signal had arrived (first time only starts the timer)."""
+        if self._requested_at is not None:
+            return
+        self._requested_at = time.monotonic()
+        if self._grace > 0:
+            self._timer = threading.Timer(self._grace, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # No logging here: the handler may interrupt a logging call in this thread.
+        if self._requested_at is not None:
+            self._die()
+        self.request()
+
+    def _expire(self) -> None:
+        log.error("still running %.0f s after the stop request; exiting now", self._grace)
+        self._die()
+
+    def _die(self) -> None:
+        signal.signal(self._signum, signal.SIG_DFL)
+        os.kill(os.getpid(), self._signum)
+
+
+class StepConsensus:
+    """Agrees on integer flags across ranks, one step late (all-reduce MAX, in the background).
+
+    Every rank must call :meth:`exchange` the same number of times, and
+    :meth:`drain` before it leaves the group.
+
+    Args:
+        group: a gloo process group used for nothing else.
+        width: how many flags are exchanged.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, width: int) -> None:
+        self._group = group
+        self._width = width
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def exchange(self, flags: list[int]) -> list[int]:
+        """Send this step's flags; return the MAX over ranks of the previous call's flags.
+
+        The first call returns zeros.
+        """
+        if len(flags) != self._width:
+            raise ValueError(f"expected {self._width} flags, got {len(flags)}")
+        agreed = self.drain()
+        tensor = torch.tensor(flags, dtype=torch.int64)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, tensor)
+        return agreed
+
+    def drain(self) -> list[int]:
+        """Wait for the reduction in flight; return its result (zeros if none)."""
+        if self._pending is None:
+            return [0] * self._width
+        work, tensor = self._pending
+        self._pending = None
+        work.wait()
+        return [int(v) for v in tensor.tolist()]
