@@ -89,6 +89,20 @@ def _leave_rendezvous(handler: RendezvousHandler) -> None:
         log.warning("could not leave the rendezvous cleanly (%s); it will time us out", exc)
 
 
+def membership_reason(old: frozenset[str], new: frozenset[str]) -> RestartReason | None:
+    """Why a restart happened, judged by the rounds' members: None if they are the same.
+
+    A peer that vanished makes the survivors' workers fail and, seen from
+    another survivor, shows up as a node "waiting to join" (the survivor that
+    noticed first re-joins). Only the membership diff tells the two apart.
+    """
+    if not old or not new or old == new:
+        return None
+    if old - new and new - old:
+        return RestartReason.MEMBERSHIP_CHANGED
+    return RestartReason.NODE_LOST if old - new else RestartReason.NODE_JOINED
+
+
 def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> WorkerError | None:
     """The first failure by time, with its traceback (error file, else stderr tail)."""
     if not failures:
@@ -170,16 +184,17 @@ class TidalElasticAgent(LocalElasticAgent):
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
                 self._reporter.update(error=root_cause(result.failures, stderrs))
-                self._reporter.count_restart(RestartReason.WORKER_FAILED)
                 self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.STOPPED
                 self._rendezvous(self._worker_group)
                 new_members = _participants(spec.rdzv_handler)
-                if new_members and new_members != members:
+                reason = membership_reason(members, new_members)
+                if reason is not None:
                     log.info("a peer left or joined: restarting without charging the budget")
-                    self._reporter.count_restart(RestartReason.NODE_LOST)
+                    self._reporter.count_restart(reason)
                 elif self._remaining_restarts > 0:
+                    self._reporter.count_restart(RestartReason.WORKER_FAILED)
                     self._remaining_restarts -= 1
                 else:
                     log.error("worker group failed and the restart budget is spent")
@@ -189,11 +204,13 @@ class TidalElasticAgent(LocalElasticAgent):
                 members = new_members
                 self._start_group()
             elif spec.rdzv_handler.num_nodes_waiting() > 0:
-                log.info("nodes are waiting to join: restarting at a larger size")
-                self._reporter.count_restart(RestartReason.NODE_JOINED)
+                log.info("nodes are waiting to join: restarting with them")
                 self._stop_timeout_s = self._grace_s
                 self._restart_workers(self._worker_group)
-                members = _participants(spec.rdzv_handler)
+                new_members = _participants(spec.rdzv_handler)
+                reason = membership_reason(members, new_members) or RestartReason.NODE_JOINED
+                self._reporter.count_restart(reason)
+                members = new_members
                 self._report_running()
             else:
                 members = self._check_peers(members)

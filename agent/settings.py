@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
-from rendezvous.client import EtcdConfig
-from rendezvous.keys import DEFAULT_ROOT, validate_id
+from rendezvous.keys import validate_id
+from rendezvous.settings import EtcdSettings
 
 
 def _default_node_id() -> str:
@@ -21,7 +20,7 @@ def _default_node_id() -> str:
         return "node"
 
 
-class AgentSettings(BaseSettings):
+class AgentSettings(EtcdSettings):
     """Everything `tidal agent` can be told.
 
     Environment variables are the field names upper-cased with ``TIDAL_``
@@ -29,17 +28,6 @@ class AgentSettings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="TIDAL_", extra="forbid")
-
-    etcd_endpoints: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["127.0.0.1:2379"]
-    )
-    etcd_root: str = DEFAULT_ROOT
-    etcd_timeout_s: float = Field(default=5.0, gt=0, le=300)
-    etcd_ca_cert: Path | None = None
-    etcd_cert: Path | None = None
-    etcd_key: Path | None = None
-    etcd_user: str | None = None
-    etcd_password: SecretStr | None = None
 
     node_id: str = Field(default_factory=_default_node_id)
     address: str = Field(default="127.0.0.1", min_length=1, max_length=253)
@@ -55,22 +43,3 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _node_id(cls, value: str) -> str:
         return validate_id(value, what="node id")
-
-    @field_validator("etcd_endpoints", mode="before")
-    @classmethod
-    def _split_endpoints(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    def etcd_config(self) -> EtcdConfig:
-        return EtcdConfig(
-            endpoints=self.etcd_endpoints,
-            timeout_s=self.etcd_timeout_s,
-            root=self.etcd_root,
-            ca_cert=self.etcd_ca_cert,
-            cert_cert=self.etcd_cert,
-            cert_key=self.etcd_key,
-            user=self.etcd_user,
-            password=self.etcd_password,
-        )

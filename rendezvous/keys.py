@@ -10,6 +10,7 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/jobs/<job>                    job spec + desired state (JSON)
     P/nodes/<node>                  live node record, attached to the node's lease
     P/assignments/<node>/<job>      which jobs a node must run
+    P/drains/<node>                 an operator's request that a node take no work
     P/status/<job>/<node>           what a node's agent reports for a job
     P/events/<job>/<seq>            job lifecycle events
     P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
@@ -109,6 +110,13 @@ class Keys:
 
     def assignment(self, node_id: str, job_id: str) -> str:
         return self.node_assignments_prefix(node_id) + validate_id(job_id, what="job id")
+
+    # drains (written by the coordinator: the node record belongs to the agent)
+    def drains_prefix(self) -> str:
+        return f"{self.root}/drains/"
+
+    def drain(self, node_id: str) -> str:
+        return self.drains_prefix() + validate_id(node_id, what="node id")
 
     # status
     def status_prefix(self) -> str:

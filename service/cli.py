@@ -124,6 +124,45 @@ def agent_command(**flags: object) -> None:
         raise click.ClickException(str(exc)) from exc
 
 
+@cli.command("coordinator")
+@click.option("--etcd", "etcd_endpoints", help="etcd endpoints HOST:PORT[,HOST:PORT...].")
+@click.option("--etcd-root", help="Key prefix (default /tidal).")
+@click.option("--host", help="Address to serve the API on (default 127.0.0.1).")
+@click.option("--port", type=int, help="Port to serve the API on (default 8470; 0: any free).")
+@click.option("--token", help="API bearer token (prefer TIDAL_TOKEN or --token-file).")
+@click.option("--token-file", type=click.Path(path_type=Path), help="File holding the token.")
+@click.option("--insecure-no-auth", is_flag=True, default=None,
+              help="Serve without a token (loopback only).")
+@click.option("--workdir-root", type=click.Path(path_type=Path),
+              help="Jobs' working directories must lie under this.")
+@click.option("--checkpoint-root", type=click.Path(path_type=Path),
+              help="Jobs' checkpoint directories lie under this.")
+@click.option("--election-ttl", "election_ttl_s", type=int,
+              help="Seconds until a dead leader is replaced.")
+def coordinator_command(**flags: object) -> None:
+    """Run the coordinator: the HTTP API and (when elected) the scheduler."""
+    from service.coordinator import Coordinator
+    from service.settings import CoordinatorSettings
+
+    given = {k: v for k, v in flags.items() if v not in (None, ())}
+    try:
+        settings = CoordinatorSettings(**given)  # type: ignore[arg-type]
+        coordinator = Coordinator(settings)
+    except (ValueError, EtcdError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        sock = coordinator.bind()
+    except OSError as exc:
+        coordinator.close()
+        raise click.ClickException(
+            f"cannot serve on {settings.host}:{settings.port}: {exc}"
+        ) from exc
+    coordinator.start()
+    # Tests and `tidal up` read the URL from this line (the port may have been 0).
+    click.echo(f"tidal coordinator serving on {coordinator.url}", err=True)
+    coordinator.serve(sock)
+
+
 def main() -> None:
     """Console-script entry point."""
     sys.exit(cli(standalone_mode=True))

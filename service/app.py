@@ -1,0 +1,482 @@
+"""The coordinator's HTTP API (FastAPI): jobs, nodes, metrics, health.
+
+``create_app(...)`` builds the app from its parts; nothing here is a module-level
+singleton. Routes that call etcd (a blocking client) are plain ``def``, so
+FastAPI runs them in its thread pool and the event loop never blocks.
+
+Every /v1 route needs ``Authorization: Bearer TOKEN`` (compared in constant
+time); /healthz, /readyz and /metrics are open. Errors are JSON
+``{"error": "...", "detail": [...]}``: 401 no or wrong token, 404 unknown job or
+node, 409 a change the job's phase does not allow, 413 a body over the limit,
+422 invalid input naming the field (values are never echoed: a job's
+environment may hold secrets), 503 etcd unreachable or out of space.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rendezvous.election import Election
+from rendezvous.errors import EtcdError, EtcdNoSpaceError
+from rendezvous.keys import InvalidIdentifierError
+from rendezvous.records import JobNodeState, JobNodeStatus
+from service.metrics import CoordinatorMetrics
+from service.models import (
+    ErrorBody,
+    EventList,
+    EventReason,
+    JobEvent,
+    JobList,
+    JobPhase,
+    JobRecord,
+    JobSpec,
+    JobView,
+    NodeInJob,
+    NodeView,
+    ScaleRequest,
+    SpecView,
+    check_bounds,
+    new_job_id,
+)
+from service.store import ConflictError, JobNotFoundError, JobStore, decode_cursor, encode_cursor
+
+log = logging.getLogger(__name__)
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+JobId = Annotated[str, PathParam(pattern=ID_PATTERN, description="A job id.")]
+NodeId = Annotated[str, PathParam(pattern=ID_PATTERN, description="A node id.")]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 503)
+}
+
+
+class BodyTooLargeError(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+
+    Checks Content-Length up front and counts the bytes of chunked bodies as
+    they arrive, so a 10 MB body is refused without being held in memory.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._refuse(send)
+                    return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLargeError
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracking_send)
+        except BodyTooLargeError:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = JSONResponse(
+            {"error": f"request body is larger than {self.limit} bytes"}, status_code=413
+        ).body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _error(status: int, message: str, detail: list[dict[str, Any]] | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    content: dict[str, Any] = {"error": message}
+    if detail is not None:
+        content["detail"] = detail
+    return JSONResponse(content, status_code=status, headers=headers)
+
+
+def _safe_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validation errors without the offending values (they may be secrets)."""
+    out = []
+    for err in errors:
+        loc = [str(part) for part in err.get("loc", ())]
+        out.append({"loc": loc, "field": ".".join(loc[1:]) or ".".join(loc),
+                    "msg": str(err.get("msg", "invalid")), "type": str(err.get("type", ""))})
+    return out
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def confine(root: Path, relative: str | None, *, field: str) -> str | None:
+    """``root/relative`` as an absolute path, refusing anything that resolves outside root.
+
+    Symlinks are resolved for the parts that exist, so a link pointing out of
+    the root is caught too.
+
+    Raises:
+        ApiError: 422 naming ``field``.
+    """
+    if relative is None:
+        return None
+    base = Path(os.path.realpath(root))
+    target = Path(os.path.realpath(base / relative))
+    if target != base and base not in target.parents:
+        raise ApiError(422, f"{field} ({relative!r}) resolves outside the allowed root")
+    return str(target)
+
+
+def _current(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> dict[str, JobNodeStatus]:
+    return {
+        node: st for node, st in statuses.items()
+        if record.nodes.get(node) == st.generation
+    }
+
+
+def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
+    """A job as the API shows it: the record joined with its nodes' reports."""
+    current = _current(record, statuses)
+    running = [st.world_size for st in current.values() if st.state == JobNodeState.RUNNING]
+    steps = [st.last_step for st in (current or statuses).values() if st.last_step is not None]
+    ckpts = [st.last_checkpoint_step for st in statuses.values()
+             if st.last_checkpoint_step is not None]
+    restarts = dict(record.restarts)
+    worker_failed = max(
+        (st.restart_reasons.get("worker_failed", 0) for st in current.values()), default=0
+    )
+    if worker_failed:
+        restarts["worker_failed"] = restarts.get("worker_failed", 0) + worker_failed
+    nodes = [
+        NodeInJob(
+            node_id=node,
+            state=current[node].state.value if node in current else "assigned",
+            ranks=current[node].ranks if node in current else [],
+            last_step=current[node].last_step if node in current else None,
+            restart_count=current[node].restart_count if node in current else 0,
+        )
+        for node in sorted(record.nodes)
+    ]
+    return JobView(
+        job_id=record.job_id,
+        spec=SpecView.of(record.spec),
+        phase=record.phase,
+        cancel_requested=record.cancel_requested,
+        conditions=record.conditions,
+        world_size=max(running, default=0) if not record.phase.is_terminal() else 0,
+        nodes=nodes,
+        restarts=restarts,
+        restart_count=sum(restarts.values()),
+        last_step=max(steps, default=None),
+        last_checkpoint_step=max(ckpts, default=None),
+        exit_reason=record.exit_reason,
+        error=record.error,
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+    )
+
+
+def create_app(
+    *,
+    store: JobStore,
+    metrics: CoordinatorMetrics,
+    registry: CollectorRegistry,
+    token: str | None,
+    workdir_root: Path,
+    checkpoint_root: Path,
+    election: Election | None = None,
+    max_body_bytes: int = 1 << 20,
+    on_change: Callable[[], None] = lambda: None,
+) -> FastAPI:
+    """Build the API.
+
+    Args:
+        store: etcd access.
+        metrics: the coordinator's metrics (request counts and latency go there).
+        registry: what /metrics serves.
+        token: the bearer token /v1 requires; None turns authentication off.
+        workdir_root / checkpoint_root: where jobs' working and checkpoint
+            directories must stay.
+        election: this replica's election, for /readyz (a leader must exist).
+        max_body_bytes: request bodies over this are refused with 413.
+        on_change: called after a job changed (wakes the local reconcile loop).
+    """
+    app = FastAPI(
+        title="tidal coordinator",
+        version="1",
+        description="Elastic, fault-tolerant training jobs for PyTorch.",
+        responses=ERRORS,
+    )
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    expected = token.encode() if token is not None else None
+
+    def authenticate(authorization: Annotated[str | None, Header()] = None) -> None:
+        if expected is None:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise ApiError(401, "missing or wrong bearer token")
+
+    Auth = Depends(authenticate)
+
+    # errors ----------------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return _error(exc.status, exc.message, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = _safe_errors(exc.errors())
+        fields = ", ".join(f"{d['field']}: {d['msg']}" for d in detail[:5])
+        return _error(422, f"invalid request: {fields}", detail)
+
+    @app.exception_handler(JobNotFoundError)
+    async def _not_found(_: Request, exc: JobNotFoundError) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(ConflictError)
+    async def _conflict(_: Request, exc: ConflictError) -> JSONResponse:
+        return _error(409, str(exc))
+
+    @app.exception_handler(InvalidIdentifierError)
+    async def _bad_id(_: Request, exc: InvalidIdentifierError) -> JSONResponse:
+        return _error(422, str(exc))
+
+    @app.exception_handler(EtcdError)
+    async def _etcd(_: Request, exc: EtcdError) -> JSONResponse:
+        metrics.etcd_errors.labels(op="api").inc()
+        if isinstance(exc, EtcdNoSpaceError):
+            return _error(503, f"etcd is out of space: {exc}")
+        return _error(503, f"etcd is unavailable: {exc}", headers={"Retry-After": "1"})
+
+    @app.middleware("http")
+    async def _measure(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        metrics.requests.labels(template, request.method, str(response.status_code)).inc()
+        metrics.request_duration.labels(template, request.method).observe(
+            time.perf_counter() - started
+        )
+        return response
+
+    # jobs ------------------------------------------------------------------------------
+
+    def load_view(job_id: str) -> JobView:
+        record, _ = store.get(job_id)
+        return job_view(record, store.statuses(job_id))
+
+    @app.post("/v1/jobs", status_code=201, dependencies=[Auth], tags=["jobs"])
+    def submit(spec: JobSpec) -> JobView:
+        """Submit a job; it starts once its minimum number of nodes is free."""
+        record = JobRecord(
+            job_id=new_job_id(spec.name),
+            spec=spec,
+            cwd=confine(workdir_root, spec.working_dir, field="working_dir"),
+            checkpoint_path=confine(checkpoint_root, spec.checkpoint_dir, field="checkpoint_dir"),
+        )
+        event = JobEvent(seq=0, phase=JobPhase.PENDING, reason=EventReason.SUBMITTED,
+                         message=f"submitted: {spec.min_nodes}..{spec.max_nodes} node(s)")
+        record.next_event = 1
+        store.create(record, event)
+        on_change()
+        return job_view(record, {})
+
+    @app.get("/v1/jobs", dependencies=[Auth], tags=["jobs"])
+    def list_jobs(
+        phase: Annotated[JobPhase | None, Query(description="Only jobs in this phase.")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Annotated[str | None, Query(max_length=512)] = None,
+    ) -> JobList:
+        """Jobs, oldest first, a page at a time."""
+        after: tuple[str, str] | None = None
+        if cursor is not None:
+            try:
+                after = decode_cursor(cursor)
+            except ValueError as exc:
+                raise ApiError(422, f"cursor: {exc}") from exc
+        records = sorted(store.list_jobs(), key=lambda r: (r.created_at.isoformat(), r.job_id))
+        if phase is not None:
+            records = [r for r in records if r.phase == phase]
+        if after is not None:
+            records = [r for r in records if (r.created_at.isoformat(), r.job_id) > after]
+        page = records[:limit]
+        statuses = store.all_statuses() if any(r.nodes for r in page) else {}
+        views = [job_view(r, statuses.get(r.job_id, {})) for r in page]
+        next_cursor = encode_cursor(page[-1]) if len(records) > limit else None
+        return JobList(jobs=views, next_cursor=next_cursor)
+
+    @app.get("/v1/jobs/{job_id}", dependencies=[Auth], tags=["jobs"])
+    def get_job(job_id: JobId) -> JobView:
+        """One job: phase, conditions, world size, nodes, restarts, progress, error."""
+        return load_view(job_id)
+
+    @app.patch("/v1/jobs/{job_id}", dependencies=[Auth], tags=["jobs"])
+    def scale_job(job_id: JobId, change: ScaleRequest) -> JobView:
+        """Change a job's minimum and/or maximum number of nodes."""
+
+        def mutate(record: JobRecord) -> list[JobEvent]:
+            if record.phase.is_terminal() or record.cancel_requested:
+                raise ConflictError(f"job {job_id} is {record.phase.value}; it cannot be scaled")
+            spec = record.spec
+            new_min = change.min_nodes if change.min_nodes is not None else spec.min_nodes
+            new_max = change.max_nodes if change.max_nodes is not None else spec.max_nodes
+            try:
+                check_bounds(new_min, new_max)
+            except ValueError as exc:
+                raise ApiError(422, str(exc)) from exc
+            if (new_min, new_max) == (spec.min_nodes, spec.max_nodes):
+                return []
+            record.spec = spec.model_copy(update={"min_nodes": new_min, "max_nodes": new_max})
+            event = JobEvent(seq=record.next_event, phase=record.phase,
+                             reason=EventReason.SCALED_BY_USER,
+                             message=f"bounds set to {new_min}..{new_max} node(s)")
+            record.next_event += 1
+            return [event]
+
+        store.update(job_id, mutate)
+        on_change()
+        return load_view(job_id)
+
+    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, dependencies=[Auth], tags=["jobs"])
+    def cancel_job(job_id: JobId) -> JobView:
+        """Cancel a job: its workers get SIGTERM (and checkpoint), then SIGKILL."""
+
+        def mutate(record: JobRecord) -> list[JobEvent]:
+            if record.phase.is_terminal():
+                raise ConflictError(f"job {job_id} is already {record.phase.value}")
+            record.cancel_requested = True
+            return []
+
+        store.update(job_id, mutate)
+        on_change()
+        return load_view(job_id)
+
+    @app.get("/v1/jobs/{job_id}/events", dependencies=[Auth], tags=["jobs"])
+    def job_events(job_id: JobId) -> EventList:
+        """The job's history: every phase change and resize, with its reason."""
+        store.get(job_id)  # 404 for an unknown job
+        return EventList(events=store.events(job_id))
+
+    # nodes -----------------------------------------------------------------------------
+
+    def node_views() -> list[NodeView]:
+        snap = store.snapshot()
+        view = snap.view
+        placed: dict[str, list[str]] = {}
+        used: dict[str, int] = {}
+        for job_id, per_node in view.assignments.items():
+            for node_id, a in per_node.items():
+                placed.setdefault(node_id, []).append(job_id)
+                used[node_id] = used.get(node_id, 0) + a.nproc_per_node
+        return [
+            NodeView(
+                node_id=n.node_id, host=n.host, address=n.address,
+                state="draining" if n.node_id in view.draining else "live",
+                slots=n.slots, slots_used=used.get(n.node_id, 0), gpus=n.gpus,
+                labels=n.labels, jobs=sorted(placed.get(n.node_id, [])),
+            )
+            for n in sorted(view.nodes.values(), key=lambda n: n.node_id)
+        ]
+
+    def one_node(node_id: str) -> NodeView:
+        for node in node_views():
+            if node.node_id == node_id:
+                return node
+        raise ApiError(404, f"node {node_id} is not registered")
+
+    @app.get("/v1/nodes", dependencies=[Auth], tags=["nodes"])
+    def list_nodes() -> list[NodeView]:
+        """Live nodes: state, slots, labels and the jobs on each."""
+        return node_views()
+
+    @app.post("/v1/nodes/{node_id}/drain", dependencies=[Auth], tags=["nodes"])
+    def drain_node(node_id: NodeId) -> NodeView:
+        """Take a node out of service: its jobs checkpoint and go on without it."""
+        if store.nodes().get(node_id) is None:
+            raise ApiError(404, f"node {node_id} is not registered")
+        store.set_drain(node_id, True)
+        on_change()
+        return one_node(node_id)
+
+    @app.delete("/v1/nodes/{node_id}/drain", dependencies=[Auth], tags=["nodes"])
+    def undrain_node(node_id: NodeId) -> NodeView:
+        """Put a drained node back in service."""
+        store.set_drain(node_id, False)
+        on_change()
+        return one_node(node_id)
+
+    # health and metrics ----------------------------------------------------------------
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorBody}})
+    def readyz() -> JSONResponse:
+        """etcd answers and a leader is elected."""
+        try:
+            store.client.status()
+            leader = election.leader() if election is not None else None
+        except EtcdError as exc:
+            return _error(503, f"etcd is unavailable: {exc}")
+        if election is not None and leader is None:
+            return _error(503, "no coordinator leads yet")
+        return JSONResponse({"status": "ready",
+                             "leader": leader.value.decode() if leader is not None else None})
+
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    def metrics_route() -> Response:
+        """Prometheus metrics (an explicit route: a mounted app would redirect)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

@@ -1,0 +1,415 @@
+"""The coordinator's data: what a user submits, what etcd holds, what the API answers.
+
+* :class:`JobSpec` is what ``POST /v1/jobs`` accepts. Every field has limits
+  (counts, lengths, charset of names), so any input is either valid or a 422
+  naming the field; it can never become a 500.
+* :class:`JobRecord` is what ``jobs/<id>`` holds in etcd: the spec (with the
+  user's later min/max changes), the desired state, the phase and its
+  conditions. Only the coordinator writes it, JSON validated by pydantic.
+* :class:`JobView` is what ``GET /v1/jobs/{id}`` answers: the record joined
+  with what the agents report and where the job runs.
+
+The job lifecycle (:class:`JobPhase`) is a ``str`` enum with its transitions
+written down; leaving a terminal phase raises :class:`IllegalTransitionError`.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from rendezvous.records import (
+    MAX_ARG_LEN,
+    MAX_ARGV,
+    MAX_ENV,
+    MAX_ENV_VALUE_LEN,
+    WorkerError,
+    utcnow,
+)
+
+# A job's name is a label people read and part of its id: letters, digits,
+# '.', '_' and '-', starting with a letter or digit.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,39}$"
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_NODES = 10_000
+#: Environment variable names reserved for what tidal itself tells the workers.
+RESERVED_ENV_PREFIXES = ("TIDAL_", "TORCHELASTIC_")
+RESERVED_ENV = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+     "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"}
+)
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_PATTERN)]
+LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=r"^[A-Za-z0-9._/-]*$")]
+RelPath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+class IllegalTransitionError(ValueError):
+    """A job was asked to move between phases that its lifecycle does not connect."""
+
+
+class JobPhase(str, Enum):
+    """Where a job is in its life.
+
+    ``PENDING`` (fewer usable nodes than its minimum) -> ``RUNNING`` ->
+    ``RESCALING`` (membership changed; restarting from a checkpoint) ->
+    ``RUNNING`` ... -> ``SUCCEEDED`` | ``FAILED`` | ``CANCELLED``.
+    """
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    RESCALING = "RESCALING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    def is_terminal(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED)
+
+    def check_transition(self, to: JobPhase) -> None:
+        """Raise :class:`IllegalTransitionError` unless ``self -> to`` is allowed."""
+        if to not in TRANSITIONS[self]:
+            raise IllegalTransitionError(f"a job cannot go from {self.value} to {to.value}")
+
+
+_TERMINAL = {JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED}
+TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
+    JobPhase.PENDING: frozenset({JobPhase.RUNNING, JobPhase.RESCALING, *_TERMINAL}),
+    JobPhase.RUNNING: frozenset({JobPhase.RESCALING, JobPhase.PENDING, *_TERMINAL}),
+    JobPhase.RESCALING: frozenset({JobPhase.RUNNING, JobPhase.PENDING, *_TERMINAL}),
+    JobPhase.SUCCEEDED: frozenset(),
+    JobPhase.FAILED: frozenset(),
+    JobPhase.CANCELLED: frozenset(),
+}
+
+
+class ExitReason(str, Enum):
+    """Why a job ended."""
+
+    SUCCEEDED = "succeeded"
+    WORKER_FAILED = "worker_failed"  # a worker failed and the restart budget was spent
+    CANCELLED = "cancelled"
+
+
+class EventReason(str, Enum):
+    """Why something happened to a job: every phase change and resize has one."""
+
+    SUBMITTED = "submitted"
+    SCHEDULED = "scheduled"
+    NODE_JOINED = "node_joined"
+    NODE_LOST = "node_lost"
+    NODE_DRAINED = "node_drained"
+    SCALED_BY_USER = "scaled_by_user"
+    BELOW_MIN_NODES = "below_min_nodes"
+    RESTARTED = "restarted"
+    WORKER_FAILED = "worker_failed"
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+
+
+class ResizePolicy(BaseModel):
+    """How a job keeps its learning dynamics when its world size changes.
+
+    Reaches the workers through their environment (``TIDAL_GLOBAL_BATCH_SIZE``,
+    ``TIDAL_RESIZE_POLICY``), where the checkpoints library applies it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    global_batch_size: int | None = Field(
+        default=None, ge=1, le=1 << 24,
+        description="Samples per step over all workers, kept fixed by gradient accumulation.",
+    )
+    lr_rule: Literal["none", "linear", "sqrt"] = Field(
+        default="none",
+        description="Scale the learning rate with the world size (for jobs whose global "
+        "batch grows with it) by this rule instead.",
+    )
+
+    def env(self) -> dict[str, str]:
+        out: dict[str, str] = {"TIDAL_RESIZE_POLICY": self.lr_rule}
+        if self.global_batch_size is not None:
+            out["TIDAL_GLOBAL_BATCH_SIZE"] = str(self.global_batch_size)
+        return out
+
+
+class JobSpec(BaseModel):
+    """A training job as a user submits it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name = Field(description="A readable name; the job id is the name plus a suffix.")
+    command: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ARG_LEN)]] = Field(
+        min_length=1, max_length=MAX_ARGV,
+        description="The argument list each worker runs (never a shell string).",
+    )
+    working_dir: RelPath | None = Field(
+        default=None, description="Relative to the coordinator's workdir root."
+    )
+    env: dict[str, Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE_LEN)]] = Field(
+        default_factory=dict, description="Extra environment; values are never shown by the API."
+    )
+    min_nodes: int = Field(default=1, ge=1, le=MAX_NODES)
+    max_nodes: int = Field(default=1, ge=1, le=MAX_NODES)
+    nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    checkpoint_dir: RelPath | None = Field(
+        default=None, description="Relative to the coordinator's checkpoint root."
+    )
+    max_restarts: int = Field(default=3, ge=0, le=1000, description="Worker-failure budget.")
+    node_selector: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, max_length=32, description="Labels a node must carry."
+    )
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is scheduled first.")
+    resize_policy: ResizePolicy | None = None
+    grace_period_s: float = Field(
+        default=30.0, gt=0, le=3600, description="SIGTERM to SIGKILL when a node leaves the job."
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        for i, arg in enumerate(value):
+            if "\0" in arg:
+                raise ValueError(f"command[{i}] holds a NUL byte")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_ENV:
+            raise ValueError(f"env has {len(value)} variables; at most {MAX_ENV} are allowed")
+        for name, text in value.items():
+            if not _ENV_NAME_RE.match(name):
+                raise ValueError(f"env variable name {name!r} is not a valid name")
+            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
+                raise ValueError(f"env variable {name} is set by tidal and cannot be given")
+            if "\0" in text:
+                raise ValueError(f"env variable {name} holds a NUL byte")
+        return value
+
+    @field_validator("working_dir", "checkpoint_dir")
+    @classmethod
+    def _relative(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_relative_path(value)
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> JobSpec:
+        check_bounds(self.min_nodes, self.max_nodes)
+        return self
+
+
+def check_bounds(min_nodes: int, max_nodes: int) -> None:
+    if min_nodes > max_nodes:
+        raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
+
+
+def check_relative_path(value: str) -> None:
+    """Refuse what could leave a configured root: absolute paths, ``..``, NUL, backslashes.
+
+    Raises:
+        ValueError: naming what is wrong with ``value``.
+    """
+    if "\0" in value:
+        raise ValueError("path holds a NUL byte")
+    if value.startswith(("/", "~")):
+        raise ValueError(f"path {value!r} must be relative to the configured root")
+    if "\\" in value:
+        raise ValueError(f"path {value!r} holds a backslash")
+    if any(part == ".." for part in value.split("/")):
+        raise ValueError(f"path {value!r} must not contain '..'")
+
+
+def new_job_id(name: str) -> str:
+    """``name`` plus a random suffix: unique, readable, and a valid key component."""
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+class Condition(BaseModel):
+    """One observation about a job, in the style of Kubernetes' conditions."""
+
+    type: Literal["Scheduled", "Running", "Finished"]
+    status: bool
+    reason: str
+    message: str = ""
+    last_transition_time: datetime
+
+
+class JobRecord(BaseModel):
+    """What etcd holds at ``jobs/<id>``. Written by the coordinator only.
+
+    ``next_generation`` numbers the job's assignments: every assignment the
+    coordinator writes gets a fresh one, so an agent never confuses a new
+    assignment with one it already ran.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    spec: JobSpec
+    cwd: str | None = None  # spec.working_dir resolved under the workdir root
+    checkpoint_path: str | None = None  # spec.checkpoint_dir resolved under its root
+    phase: JobPhase = JobPhase.PENDING
+    cancel_requested: bool = False
+    conditions: list[Condition] = Field(default_factory=list)
+    exit_reason: ExitReason | None = None
+    error: WorkerError | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    nodes: dict[str, int] = Field(
+        default_factory=dict, description="node -> generation of its assignment (derived)"
+    )
+    next_generation: int = 1
+    next_event: int = 0
+    restarts: dict[str, int] = Field(default_factory=dict)
+
+    def set_condition(
+        self, type_: Literal["Scheduled", "Running", "Finished"], status: bool, reason: str,
+        message: str = "",
+    ) -> None:
+        """Set a condition, keeping its transition time when its status is unchanged."""
+        for i, cond in enumerate(self.conditions):
+            if cond.type == type_:
+                if cond.status == status and cond.reason == reason:
+                    return
+                when = cond.last_transition_time if cond.status == status else utcnow()
+                self.conditions[i] = Condition(
+                    type=type_, status=status, reason=reason, message=message,
+                    last_transition_time=when,
+                )
+                return
+        self.conditions.append(
+            Condition(type=type_, status=status, reason=reason, message=message,
+                      last_transition_time=utcnow())
+        )
+
+
+class JobEvent(BaseModel):
+    """One entry of a job's history, at ``events/<job>/<seq>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    time: datetime = Field(default_factory=utcnow)
+    phase: JobPhase
+    reason: EventReason
+    message: str = Field(default="", max_length=4096)
+    world_size: int | None = None
+    nodes: list[str] = Field(default_factory=list)
+
+
+# API shapes ------------------------------------------------------------------
+
+
+class SpecView(BaseModel):
+    """A job's spec as the API shows it: environment values are never echoed."""
+
+    name: str
+    command: list[str]
+    working_dir: str | None
+    env_names: list[str]
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    checkpoint_dir: str | None
+    max_restarts: int
+    node_selector: dict[str, str]
+    priority: int
+    resize_policy: ResizePolicy | None
+    grace_period_s: float
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> SpecView:
+        data = spec.model_dump(exclude={"env"})
+        return cls(**data, env_names=sorted(spec.env))
+
+
+class NodeInJob(BaseModel):
+    node_id: str
+    state: str
+    ranks: list[int] = Field(default_factory=list)
+    last_step: int | None = None
+    restart_count: int = 0
+
+
+class JobView(BaseModel):
+    """``GET /v1/jobs/{id}``: the record joined with what the agents report."""
+
+    job_id: str
+    spec: SpecView
+    phase: JobPhase
+    cancel_requested: bool
+    conditions: list[Condition]
+    world_size: int
+    nodes: list[NodeInJob]
+    restarts: dict[str, int]
+    restart_count: int
+    last_step: int | None
+    last_checkpoint_step: int | None
+    exit_reason: ExitReason | None
+    error: WorkerError | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobList(BaseModel):
+    jobs: list[JobView]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as ?cursor= for the next page; null on the last."
+    )
+
+
+class ScaleRequest(BaseModel):
+    """``PATCH /v1/jobs/{id}``: new bounds; either may be left out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
+    max_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
+
+    @model_validator(mode="after")
+    def _something(self) -> ScaleRequest:
+        if self.min_nodes is None and self.max_nodes is None:
+            raise ValueError("give min_nodes, max_nodes or both")
+        return self
+
+
+class NodeView(BaseModel):
+    node_id: str
+    host: str
+    address: str
+    state: Literal["live", "draining"]
+    slots: int
+    slots_used: int
+    gpus: int
+    labels: dict[str, str]
+    jobs: list[str]
+
+
+class EventList(BaseModel):
+    events: list[JobEvent]
+
+
+class ErrorBody(BaseModel):
+    """Every error the API returns."""
+
+    error: str
+    detail: list[dict[str, object]] | None = None

@@ -1,0 +1,385 @@
+"""The scheduler's decision: a pure function from what etcd holds to the changes to make.
+
+:func:`plan` takes a :class:`ClusterView` (jobs, live nodes, drains, current
+assignments and what the agents report) and returns one :class:`JobChange`
+per job that needs one. It reads no clock but the ``now`` it is given, touches
+no etcd, and is unit-tested (and property-tested) on its own; the
+reconcile loop (:mod:`service.reconciler`) reads etcd, calls it, and writes the
+changes in fenced transactions.
+
+The rules, level-triggered (the same view always gives the same plan):
+
+* a job whose cancel was requested, or whose agents report success or an
+  exhausted restart budget, ends; its assignments are removed;
+* an assignment on a node that is gone (lease expired) or that left the job
+  (its runner stopped) is removed: the job shrinks; one on a draining node is
+  removed too (the agent drains it: SIGTERM, checkpoint, exit);
+* when the user changed min/max, the job's remaining assignments are
+  rewritten with the new bounds (a graceful restart from the checkpoint) and
+  nodes beyond the new maximum are released, the newest first;
+* free capacity goes first to jobs that are below their minimum, as a gang
+  (a job gets nodes only if its minimum fits), then to growing jobs toward
+  their maximum; both in order of priority, then submission time (FIFO);
+* a job with fewer usable nodes than its minimum is ``PENDING``; one whose
+  membership just changed is ``RESCALING`` until every node reports running
+  at the new size, then ``RUNNING``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
+from rendezvous.registry import NodeInfo
+from service.models import (
+    EventReason,
+    ExitReason,
+    JobEvent,
+    JobPhase,
+    JobRecord,
+)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Everything the scheduler decides on. Build it from etcd (or by hand in tests)."""
+
+    jobs: dict[str, JobRecord]
+    nodes: dict[str, NodeInfo]
+    draining: frozenset[str] = frozenset()
+    assignments: dict[str, dict[str, Assignment]] = field(default_factory=dict)  # job -> node ->
+    statuses: dict[str, dict[str, JobNodeStatus]] = field(default_factory=dict)  # job -> node ->
+
+
+@dataclass
+class JobChange:
+    """What to write for one job, in one transaction."""
+
+    job_id: str
+    record: JobRecord  # the record to write (compared against its mod revision)
+    put: dict[str, Assignment] = field(default_factory=dict)  # node -> new assignment
+    delete: list[str] = field(default_factory=list)  # nodes whose assignment goes
+    events: list[JobEvent] = field(default_factory=list)
+
+    @property
+    def decisions(self) -> int:
+        return len(self.put) + len(self.delete)
+
+
+def assignment_for(record: JobRecord, generation: int) -> Assignment:
+    """The assignment a node gets for ``record``'s job."""
+    spec = record.spec
+    env = dict(spec.env)
+    if spec.resize_policy is not None:
+        env.update(spec.resize_policy.env())
+    return Assignment(
+        job_id=record.job_id,
+        generation=generation,
+        command=spec.command,
+        cwd=record.cwd,
+        env=env,
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        max_restarts=spec.max_restarts,
+        checkpoint_dir=record.checkpoint_path,
+        grace_period_s=spec.grace_period_s,
+    )
+
+
+def current_statuses(
+    assigned: dict[str, Assignment], statuses: dict[str, JobNodeStatus]
+) -> dict[str, JobNodeStatus]:
+    """The reports that belong to the assignments in force (same node, same generation)."""
+    return {
+        node: st
+        for node, st in statuses.items()
+        if node in assigned and st.generation == assigned[node].generation
+    }
+
+
+def _order(record: JobRecord) -> tuple[int, datetime, str]:
+    return (-record.spec.priority, record.created_at, record.job_id)
+
+
+class _Planner:
+    def __init__(self, view: ClusterView, now: datetime) -> None:
+        self.view = view
+        self.now = now
+        self.changes: dict[str, JobChange] = {}
+        self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
+        self.free: dict[str, int] = {}
+
+    # bookkeeping -------------------------------------------------------------------
+
+    def change(self, job_id: str) -> JobChange:
+        if job_id not in self.changes:
+            record = self.view.jobs[job_id].model_copy(deep=True)
+            self.changes[job_id] = JobChange(job_id, record)
+        return self.changes[job_id]
+
+    def event(
+        self, job_id: str, reason: EventReason, message: str, nodes: list[str] | None = None
+    ) -> None:
+        change = self.change(job_id)
+        record = change.record
+        change.events.append(
+            JobEvent(
+                seq=record.next_event, time=self.now, phase=record.phase, reason=reason,
+                message=message, nodes=sorted(nodes or []),
+                world_size=len(self.members.get(job_id, {})) * record.spec.nproc_per_node,
+            )
+        )
+        record.next_event += 1
+
+    def set_phase(self, job_id: str, phase: JobPhase, reason: EventReason, message: str) -> None:
+        record = self.change(job_id).record
+        if record.phase == phase:
+            return
+        record.phase.check_transition(phase)
+        record.phase = phase
+        if phase.is_terminal():
+            record.finished_at = self.now
+        self.event(job_id, reason, message)
+
+    def new_assignment(self, job_id: str) -> Assignment:
+        record = self.change(job_id).record
+        generation = record.next_generation
+        record.next_generation += 1
+        return assignment_for(record, generation)
+
+    def count_restart(self, job_id: str, reason: EventReason) -> None:
+        record = self.change(job_id).record
+        record.restarts[reason.value] = record.restarts.get(reason.value, 0) + 1
+
+    # the plan ----------------------------------------------------------------------
+
+    def run(self) -> list[JobChange]:
+        view = self.view
+        self.free = {
+            node_id: info.slots for node_id, info in view.nodes.items()
+            if node_id not in view.draining
+        }
+        active: list[JobRecord] = []
+        for record in sorted(view.jobs.values(), key=_order):
+            assigned = view.assignments.get(record.job_id, {})
+            if record.phase.is_terminal():
+                if assigned:  # a leftover of an interrupted write: finish the job's exit
+                    self.change(record.job_id).delete.extend(sorted(assigned))
+                continue
+            if self._finish_if_done(record, assigned):
+                continue
+            self._keep_usable(record, assigned)
+            active.append(record)
+        for record in active:
+            self._rebound(record)
+        # Gang start: jobs below their minimum first, then growth toward maximum.
+        for record in active:
+            self._grow(record, to_min_only=True)
+        for record in active:
+            self._grow(record, to_min_only=False)
+        for record in active:
+            self._settle_phase(record)
+        return [c for c in self.changes.values() if self._is_change(c)]
+
+    def _is_change(self, change: JobChange) -> bool:
+        return bool(change.put or change.delete or change.events) or (
+            change.record != self.view.jobs[change.job_id]
+        )
+
+    def _finish_if_done(self, record: JobRecord, assigned: dict[str, Assignment]) -> bool:
+        job_id = record.job_id
+        reports = current_statuses(assigned, self.view.statuses.get(job_id, {}))
+        if record.cancel_requested:
+            outcome = (JobPhase.CANCELLED, ExitReason.CANCELLED, EventReason.CANCELLED,
+                       "cancelled by the user")
+        elif any(st.state == JobNodeState.SUCCEEDED for st in reports.values()):
+            outcome = (JobPhase.SUCCEEDED, ExitReason.SUCCEEDED, EventReason.SUCCEEDED,
+                       "the workers finished")
+        else:
+            failed = [st for st in reports.values() if st.state == JobNodeState.FAILED]
+            if not failed:
+                return False
+            first = min(failed, key=lambda st: st.updated_at)
+            self.change(job_id).record.error = first.error
+            detail = f": exit code {first.error.exit_code}" if first.error else ""
+            outcome = (JobPhase.FAILED, ExitReason.WORKER_FAILED, EventReason.WORKER_FAILED,
+                       f"a worker failed on {first.node_id} and the restart budget is spent"
+                       f"{detail}")
+        phase, exit_reason, reason, message = outcome
+        change = self.change(job_id)
+        change.record.exit_reason = exit_reason
+        change.record.set_condition("Finished", True, reason.value, message)
+        change.record.set_condition("Running", False, reason.value, message)
+        self.members[job_id] = {}
+        change.record.nodes = {}
+        self.set_phase(job_id, phase, reason, message)
+        change.delete.extend(sorted(assigned))
+        return True
+
+    def _keep_usable(self, record: JobRecord, assigned: dict[str, Assignment]) -> None:
+        """Drop assignments on nodes that are gone, draining, or that left the job."""
+        job_id = record.job_id
+        view = self.view
+        reports = current_statuses(assigned, view.statuses.get(job_id, {}))
+        kept: dict[str, Assignment] = {}
+        lost: list[str] = []
+        drained: list[str] = []
+        for node_id, assignment in sorted(assigned.items()):
+            left = node_id in reports and reports[node_id].state == JobNodeState.CANCELLED
+            if node_id not in view.nodes or left:
+                lost.append(node_id)
+            elif node_id in view.draining:
+                drained.append(node_id)
+            else:
+                kept[node_id] = assignment
+                self.free[node_id] = self.free.get(node_id, 0) - assignment.nproc_per_node
+        self.members[job_id] = kept
+        change = self.change(job_id) if (lost or drained) else None
+        if change is not None:
+            change.delete.extend(lost + drained)
+        if lost:
+            self.count_restart(job_id, EventReason.NODE_LOST)
+            self.event(job_id, EventReason.NODE_LOST, f"lost node(s) {', '.join(lost)}", lost)
+        if drained:
+            self.count_restart(job_id, EventReason.NODE_DRAINED)
+            self.event(job_id, EventReason.NODE_DRAINED,
+                       f"node(s) {', '.join(drained)} drained", drained)
+
+    def _rebound(self, record: JobRecord) -> None:
+        """Apply the user's min/max: release the surplus, restart the rest with new bounds."""
+        job_id = record.job_id
+        spec = record.spec
+        kept = self.members[job_id]
+        if not kept:
+            return
+        surplus = len(kept) - spec.max_nodes
+        released: list[str] = []
+        if surplus > 0:
+            newest = sorted(kept, key=lambda n: kept[n].generation, reverse=True)[:surplus]
+            for node_id in newest:
+                released.append(node_id)
+                self.free[node_id] += kept.pop(node_id).nproc_per_node
+            self.change(job_id).delete.extend(sorted(released))
+        stale = [
+            n for n, a in kept.items()
+            if (a.min_nodes, a.max_nodes) != (spec.min_nodes, spec.max_nodes)
+        ]
+        for node_id in sorted(stale):
+            kept[node_id] = self.new_assignment(job_id)
+            self.change(job_id).put[node_id] = kept[node_id]
+        if released or stale:
+            self.count_restart(job_id, EventReason.SCALED_BY_USER)
+            self.event(
+                job_id, EventReason.SCALED_BY_USER,
+                f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes"
+                + (f"; released {', '.join(sorted(released))}" if released else ""),
+                released,
+            )
+
+    def _fits(self, record: JobRecord, node_id: str) -> bool:
+        info = self.view.nodes[node_id]
+        selector = record.spec.node_selector
+        return (
+            node_id in self.free
+            and self.free[node_id] >= record.spec.nproc_per_node
+            and node_id not in self.members[record.job_id]
+            and all(info.labels.get(k) == v for k, v in selector.items())
+        )
+
+    def _grow(self, record: JobRecord, *, to_min_only: bool) -> None:
+        job_id = record.job_id
+        kept = self.members[job_id]
+        spec = record.spec
+        target = spec.min_nodes if to_min_only else spec.max_nodes
+        want = target - len(kept)
+        if want <= 0:
+            return
+        candidates = sorted(
+            (n for n in self.free if self._fits(record, n)),
+            key=lambda n: (-self.free[n], n),
+        )
+        if to_min_only and len(candidates) < want:
+            return  # gang: all of the minimum or nothing
+        chosen = candidates[:want]
+        if not chosen:
+            return
+        for node_id in chosen:
+            kept[node_id] = self.new_assignment(job_id)
+            self.change(job_id).put[node_id] = kept[node_id]
+            self.free[node_id] -= spec.nproc_per_node
+        first_start = record.started_at is None and self.change(job_id).record.started_at is None
+        if first_start:
+            self.change(job_id).record.started_at = self.now
+            self.event(job_id, EventReason.SCHEDULED,
+                       f"scheduled on {', '.join(sorted(kept))}", sorted(kept))
+        else:
+            self.count_restart(job_id, EventReason.NODE_JOINED)
+            self.event(job_id, EventReason.NODE_JOINED,
+                       f"node(s) {', '.join(chosen)} joined", chosen)
+
+    def _settle_phase(self, record: JobRecord) -> None:
+        job_id = record.job_id
+        kept = self.members[job_id]
+        placed = {n: a.generation for n, a in kept.items()}
+        if record.nodes != placed:
+            self.change(job_id).record.nodes = placed
+        spec = record.spec
+        changed = job_id in self.changes and bool(
+            self.changes[job_id].put or self.changes[job_id].delete
+        )
+        current = self.changes[job_id].record if job_id in self.changes else record
+        if len(kept) < spec.min_nodes:
+            message = f"{len(kept)} of at least {spec.min_nodes} node(s) available"
+            if current.phase != JobPhase.PENDING:
+                self.set_phase(job_id, JobPhase.PENDING, EventReason.BELOW_MIN_NODES, message)
+            self._condition(job_id, "Scheduled", False, EventReason.BELOW_MIN_NODES, message)
+            self._condition(job_id, "Running", False, EventReason.BELOW_MIN_NODES, message)
+            return
+        nodes = ", ".join(sorted(kept))
+        self._condition(job_id, "Scheduled", True, EventReason.SCHEDULED, f"on {nodes}")
+        reports = current_statuses(kept, self.view.statuses.get(job_id, {}))
+        world = len(kept) * spec.nproc_per_node
+        settled = len(reports) == len(kept) and all(
+            st.state == JobNodeState.RUNNING and st.world_size == world for st in reports.values()
+        )
+        if settled and not changed:
+            self.set_phase(job_id, JobPhase.RUNNING, EventReason.RESTARTED,
+                           f"running at world size {world}")
+            self._condition(job_id, "Running", True, EventReason.RESTARTED,
+                            f"world size {world} on {nodes}")
+            return
+        if changed or current.phase == JobPhase.PENDING:
+            if record.started_at is not None:  # it ran before: a restart from checkpoint
+                self.set_phase(job_id, JobPhase.RESCALING, EventReason.RESTARTED,
+                               f"restarting on {len(kept)} node(s) from the latest checkpoint")
+            else:
+                self.set_phase(job_id, JobPhase.RUNNING, EventReason.SCHEDULED,
+                               f"starting on {nodes}")
+        self._condition(job_id, "Running", False, EventReason.RESTARTED,
+                        f"waiting for {len(kept)} node(s) to run at world size {world}")
+
+    def _condition(
+        self, job_id: str, type_: str, status: bool, reason: EventReason, message: str
+    ) -> None:
+        record = self.changes[job_id].record if job_id in self.changes else self.view.jobs[job_id]
+        probe = record.model_copy(deep=True)
+        probe.set_condition(type_, status, reason.value, message)  # type: ignore[arg-type]
+        if probe.conditions != record.conditions:
+            self.change(job_id).record.set_condition(
+                type_, status, reason.value, message  # type: ignore[arg-type]
+            )
+
+
+def plan(view: ClusterView, now: datetime) -> list[JobChange]:
+    """Decide what to change so that assignments match the jobs and the live nodes.
+
+    Args:
+        view: jobs, live nodes, drains, assignments and agent reports.
+        now: the time stamped on events and records.
+
+    Returns:
+        One :class:`JobChange` per job that needs a write, highest priority first.
+    """
+    return _Planner(view, now).run()
