@@ -190,11 +190,10 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._rendezvous(self._worker_group)
                 new_members = _participants(spec.rdzv_handler)
                 reason = membership_reason(members, new_members)
+                self._reporter.count_restart(reason or RestartReason.WORKER_FAILED)
                 if reason is not None:
                     log.info("a peer left or joined: restarting without charging the budget")
-                    self._reporter.count_restart(reason)
                 elif self._remaining_restarts > 0:
-                    self._reporter.count_restart(RestartReason.WORKER_FAILED)
                     self._remaining_restarts -= 1
                 else:
                     log.error("worker group failed and the restart budget is spent")
