@@ -1,0 +1,206 @@
+"""The whole service: a real coordinator scheduling real agents running real DDP over gloo.
+
+* gang start waits for the minimum; the job grows to its maximum when agents
+  appear, shrinks when one dies, falls back to PENDING below its minimum and
+  comes back when a node returns; cancel stops every worker;
+* a scale-down by PATCH drains gracefully: the job resumes at the smaller size
+  from the step it had completed, with no completed step lost;
+* the coordinator is SIGKILLed mid-job: training goes on, and the restarted
+  coordinator shows the same job, on the same nodes, without rescheduling it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rendezvous.client import EtcdClient
+from rendezvous.etcd_server import EtcdServer
+from tests.support.agents import ELASTIC_DDP, AgentCluster, processes_of_node, read_events
+from tests.support.coordinator import CoordinatorProcess
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    coordinator = CoordinatorProcess(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    ).start()
+    agents = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    try:
+        yield coordinator, agents
+    except BaseException:
+        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
+        raise
+
+
+def _view(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    response = api.get(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _running_at(api: httpx.Client, job_id: str, size: int) -> bool:
+    view = _view(api, job_id)
+    return view["phase"] == "RUNNING" and view["world_size"] == size
+
+
+def _reasons(api: httpx.Client, job_id: str) -> list[str]:
+    return [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["events"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gang_start_grow_shrink_pending_and_back(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster]
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    agents.start_agent("a")
+    spec = {
+        "name": "elastic",
+        "command": [sys.executable, str(ELASTIC_DDP), "--checkpoint", str(tmp_path / "c-{node}.pt"),
+                    "--events", str(tmp_path / "events.jsonl"), "--step-seconds", "0.1"],
+        "min_nodes": 2, "max_nodes": 3, "grace_period_s": 5,
+    }
+    job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+
+    def waiting_for_min() -> bool:
+        view = _view(api, job_id)
+        nodes = {n["node_id"] for n in api.get("/v1/nodes").json()}
+        scheduled = [c for c in view["conditions"] if c["type"] == "Scheduled"]
+        return nodes == {"a"} and bool(scheduled) and scheduled[0]["reason"] == "below_min_nodes"
+
+    wait_for(waiting_for_min, timeout=30, what="the scheduler to see a alone, below min")
+    view = _view(api, job_id)
+    assert view["phase"] == "PENDING" and view["nodes"] == []  # gang: not a partial start
+
+    agents.start_agent("b")
+    wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="RUNNING at world size 2")
+    agents.start_agent("c")
+    wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="grown to world size 3")
+
+    agents.kill_agent("c")
+    wait_for(lambda: not processes_of_node("c"), timeout=15, what="c's workers gone")
+    wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="shrunk to world size 2")
+    assert "node_lost" in _reasons(api, job_id)
+    assert _view(api, job_id)["restarts"].get("node_lost", 0) >= 1
+
+    agents.kill_agent("b")
+    wait_for(lambda: _view(api, job_id)["phase"] == "PENDING", timeout=60,
+             what="PENDING below min")
+    assert "below_min_nodes" in _reasons(api, job_id)
+    agents.start_agent("d")
+    wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="back to RUNNING on a and d")
+    assert {n["node_id"] for n in _view(api, job_id)["nodes"]} == {"a", "d"}
+
+    assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    wait_for(lambda: _view(api, job_id)["phase"] == "CANCELLED", timeout=30, what="CANCELLED")
+    wait_for(lambda: not processes_of_node("a") and not processes_of_node("d"), timeout=30,
+             what="every worker gone after cancel")
+
+
+_STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) ")
+_START = re.compile(r"start at step (\d+) .*world_size (\d+)")
+
+
+def _rank_logs(root: Path) -> list[str]:
+    lines: list[str] = []
+    for path in sorted(root.glob("*/jobs/*/gen-*/logs/**/stderr.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster]
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    for node in ("a", "b", "c"):
+        agents.start_agent(node)
+    spec = {
+        "name": "mlp",
+        "command": [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--total-steps", "100000", "--global-batch-size", "12",
+                    "--every-steps", "100000", "--step-seconds", "0.1"],
+        "min_nodes": 1, "max_nodes": 3, "grace_period_s": 20,
+    }
+    job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+    wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="RUNNING at world size 3")
+    wait_for(lambda: (_view(api, job_id)["last_step"] or 0) >= 5, timeout=60, what="5 steps")
+
+    response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 2})
+    assert response.status_code == 200, response.text
+    wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="RUNNING at world size 2")
+
+    def resumed_at_2() -> int | None:
+        for line in _rank_logs(tmp_path):
+            match = _START.search(line)
+            if match and match.group(2) == "2":
+                return int(match.group(1))
+        return None
+
+    resumed = wait_for(resumed_at_2, timeout=60, what="a worker resuming at world size 2")
+    last_at_3 = max(
+        int(m.group(3)) for line in _rank_logs(tmp_path)
+        if (m := _STEP.search(line)) and m.group(2) == "3"
+    )
+    # Steps are numbered from 0: resuming at step N means N steps were kept.
+    assert resumed == last_at_3 + 1, (resumed, last_at_3)
+    assert "scaled_by_user" in _reasons(api, job_id)
+    view = _view(api, job_id)
+    assert len(view["nodes"]) == 2 and view["spec"]["max_nodes"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_coordinator_restart_leaves_the_job_running_and_unchanged(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    agents.start_agent("a")
+    spec = {
+        "name": "steady",
+        "command": [sys.executable, str(ELASTIC_DDP), "--checkpoint", str(tmp_path / "c.pt"),
+                    "--events", str(tmp_path / "events.jsonl"), "--step-seconds", "0.1"],
+        "min_nodes": 1, "max_nodes": 1,
+    }
+    job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+    wait_for(lambda: _running_at(api, job_id, 1), timeout=120, what="RUNNING at world size 1")
+    before = _view(api, job_id)
+    assignment_key = etcd_client.keys.assignment("a", job_id)
+    assignment = etcd_client.get(assignment_key)
+    assert assignment is not None
+
+    coordinator.kill()
+    events = tmp_path / "events.jsonl"
+    start = max((r["step"] for r in read_events(events)), default=0)
+    wait_for(lambda: max((r["step"] for r in read_events(events)), default=0) >= start + 10,
+             timeout=60, what="training going on without the coordinator")
+
+    coordinator.start()
+    api = coordinator.client()
+    after = _view(api, job_id)
+    assert after["phase"] == "RUNNING" and after["nodes"] == [
+        {**before["nodes"][0], "last_step": after["nodes"][0]["last_step"]}
+    ]
+    assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == [job_id]
+    # Not rescheduled: the same assignment, untouched.
+    again = etcd_client.get(assignment_key)
+    assert again is not None and again.mod_revision == assignment.mod_revision
