@@ -145,6 +145,12 @@ class TidalElasticAgent(LocalElasticAgent):
         super().__init__(spec, **kwargs)
         self._reporter = reporter
         self._backend = backend
+        # The job's worker-failure budget. torch's own ``_remaining_restarts``
+        # is decremented on *every* restart instead, membership changes
+        # included, because torch derives TORCHELASTIC_RESTART_COUNT and the
+        # log directory (``attempt_N``) from it: otherwise each restart after a
+        # lost or joining node would overwrite the previous attempt's logs.
+        self._budget = spec.max_restarts
         # How long stopped workers get between SIGTERM and SIGKILL. A group
         # restarted because a worker or a peer failed is stuck in a collective
         # that will not return: kill it quickly. A healthy group that is
@@ -166,7 +172,7 @@ class TidalElasticAgent(LocalElasticAgent):
             state=JobNodeState.RUNNING,
             world_size=group.spec.local_world_size * (group.group_world_size or 0),
             ranks=sorted(w.global_rank for w in group.workers),
-            remaining_restarts=self._remaining_restarts,
+            remaining_restarts=self._budget,
         )
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -193,18 +199,20 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._reporter.count_restart(reason or RestartReason.WORKER_FAILED)
                 if reason is not None:
                     log.info("a peer left or joined: restarting without charging the budget")
-                elif self._remaining_restarts > 0:
-                    self._remaining_restarts -= 1
+                elif self._budget > 0:
+                    self._budget -= 1
                 else:
                     log.error("worker group failed and the restart budget is spent")
                     _leave_rendezvous(spec.rdzv_handler)
                     self._worker_group.state = WorkerState.FAILED
                     return result
                 members = new_members
+                self._remaining_restarts -= 1  # the next attempt: see __init__
                 self._start_group()
             elif spec.rdzv_handler.num_nodes_waiting() > 0:
                 log.info("nodes are waiting to join: restarting with them")
                 self._stop_timeout_s = self._grace_s
+                self._remaining_restarts -= 1
                 self._restart_workers(self._worker_group)
                 new_members = _participants(spec.rdzv_handler)
                 reason = membership_reason(members, new_members) or RestartReason.NODE_JOINED
@@ -236,6 +244,7 @@ class TidalElasticAgent(LocalElasticAgent):
         log.warning("%d peer(s) stopped heartbeating: restarting without them", len(lost))
         self._reporter.count_restart(RestartReason.NODE_LOST)
         self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
+        self._remaining_restarts -= 1
         self._restart_workers(self._worker_group)
         self._report_running()
         return _participants(handler)

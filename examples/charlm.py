@@ -57,7 +57,11 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    default_dir = os.environ.get("TIDAL_CHECKPOINT_DIR")  # the job's checkpoint_dir under tidal
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=default_dir, required=default_dir is None,
+        help="where checkpoints go (default: $TIDAL_CHECKPOINT_DIR, set by tidal)",
+    )
     parser.add_argument("--total-steps", type=int, default=2000)
     parser.add_argument("--stop-after-step", type=int, default=None)
     parser.add_argument(
