@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps lint test test-fast demo bench clean
+.PHONY: setup system-deps lint test test-fast demo demo-torchrun bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,13 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
+# A local tidal cluster (`tidal up` as a library) keeps a job training while a
+# node dies, a node joins and the job is scaled down.
 demo: setup
+	$(PY) -m examples.demo
+
+# Plain torchrun on tidal's etcd-v3 rendezvous, no coordinator or agents.
+demo-torchrun: setup
 	$(PY) -m examples.demo_torchrun
 
 bench: setup
