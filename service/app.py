@@ -363,8 +363,10 @@ def create_app(
         """Change a job's minimum and/or maximum number of nodes."""
 
         def mutate(record: JobRecord) -> list[JobEvent]:
-            if record.phase.is_terminal() or record.cancel_requested:
+            if record.phase.is_terminal():
                 raise ConflictError(f"job {job_id} is {record.phase.value}; it cannot be scaled")
+            if record.cancel_requested:
+                raise ConflictError(f"job {job_id} is being cancelled; it cannot be scaled")
             spec = record.spec
             new_min = change.min_nodes if change.min_nodes is not None else spec.min_nodes
             new_max = change.max_nodes if change.max_nodes is not None else spec.max_nodes
@@ -449,6 +451,8 @@ def create_app(
     @app.delete("/v1/nodes/{node_id}/drain", dependencies=[Auth], tags=["nodes"])
     def undrain_node(node_id: NodeId) -> NodeView:
         """Put a drained node back in service."""
+        if store.nodes().get(node_id) is None:
+            raise ApiError(404, f"node {node_id} is not registered")
         store.set_drain(node_id, False)
         on_change()
         return one_node(node_id)

@@ -26,6 +26,8 @@ import click
 from rendezvous.client import EtcdConfig, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
+from service.commands import register as register_job_commands
+from service.up import up_command
 
 
 @click.group()
@@ -161,6 +163,10 @@ def coordinator_command(**flags: object) -> None:
     # Tests and `tidal up` read the URL from this line (the port may have been 0).
     click.echo(f"tidal coordinator serving on {coordinator.url}", err=True)
     coordinator.serve(sock)
+
+
+cli.add_command(up_command)
+register_job_commands(cli)
 
 
 def main() -> None:

@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-
-def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Module | None:
-    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
-        module: pytest.Module = pytest.Module.from_parent(parent, path=file_path)
-        return module
-    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,992 @@
+"""The job and node commands of the `tidal` command line, as clients of the coordinator's API.
+
+:func:`register` adds them to the ``tidal`` group::
+
+    tidal submit [--name N] [--min-nodes N] [--max-nodes M] [--nproc-per-node P]
+                 [--workdir D] [--checkpoint-dir D] [--env K=V ...] [--label K=V ...]
+                 [--max-restarts N] [--priority P] [--grace-period S]
+                 [--global-batch-size B] [--lr-rule none|linear|sqrt]
+                 [--no-wait | --timeout S] -- COMMAND [ARG ...]
+    tidal jobs    [--phase P] [--limit N | --all] [--json]
+    tidal status  JOB [--watch [--timeout S]] [--json]
+    tidal events  JOB [--json]
+    tidal scale   JOB [--min N] [--max M] [--json]
+    tidal cancel  JOB [--json]
+    tidal nodes   [--json]
+    tidal drain   NODE [--json]
+    tidal undrain NODE [--json]
+    tidal logs    JOB [--node N] [--rank R] [--tail N] [-f] [--json]
+
+Every command takes ``--url``, ``--token`` and ``--state-dir``; the coordinator
+is found by :func:`service.client.resolve_target` (flags, then ``TIDAL_URL`` /
+``TIDAL_TOKEN`` / ``TIDAL_TOKEN_FILE``, then the cluster file ``tidal up``
+writes). Tables are for people; ``--json`` prints the API's own JSON (JSON
+lines for ``logs`` and ``status --watch``). Errors are one line,
+``error: <message>``, on stderr.
+
+Exit codes, which scripts can rely on:
+
+* 0: done; for ``submit`` and ``status --watch``, the job SUCCEEDED;
+* 1: the job FAILED (``submit``, ``status --watch``);
+* 2: wrong usage: an unknown option, a missing argument, an invalid job spec
+  (click's own code for usage errors);
+* 3: the job was CANCELLED (``submit``, ``status --watch``);
+* 4: the coordinator refused the request (401 wrong token, 404 unknown job or
+  node, 409 not allowed in the job's phase, 413, 422 invalid values);
+* 5: the coordinator could not be reached, did not answer in time, or failed
+  (5xx, e.g. 503 when etcd is down);
+* 6: no coordinator is configured (no ``--url``, ``TIDAL_URL`` or cluster
+  file), or the token or cluster file cannot be read;
+* 7: ``--timeout`` passed before the job ended (the job goes on);
+* 130: interrupted with Ctrl-C while following (a submitted job goes on).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import click
+from pydantic import ValidationError
+
+from rendezvous.keys import InvalidIdentifierError, validate_id
+from service.client import (
+    ApiError,
+    ClusterFile,
+    TargetError,
+    TidalClient,
+    dump_json,
+    load_cluster,
+    resolve_target,
+)
+from service.client import default_state_dir as _default_state_dir
+from service.models import JobEvent, JobPhase, JobSpec, JobView, NodeView
+
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+EXIT_USAGE = 2
+EXIT_JOB_CANCELLED = 3
+EXIT_REFUSED = 4
+EXIT_UNREACHABLE = 5
+EXIT_NOT_CONFIGURED = 6
+EXIT_TIMEOUT = 7
+EXIT_INTERRUPTED = 130
+
+PHASE_EXIT = {
+    JobPhase.SUCCEEDED: EXIT_OK,
+    JobPhase.FAILED: EXIT_JOB_FAILED,
+    JobPhase.CANCELLED: EXIT_JOB_CANCELLED,
+}
+POLL_INTERVAL_S = 0.5
+# While following a job, a coordinator that restarts or loses etcd for a
+# moment is waited for this long before the command gives up.
+OUTAGE_TOLERANCE_S = 30.0
+TRACEBACK_LINES = 20
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CommandError(click.ClickException):
+    """A failure shown as ``error: <message>`` on stderr; each subclass has its exit code."""
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class InvalidJobError(CommandError):
+    exit_code = EXIT_USAGE
+
+
+class RefusedError(CommandError):
+    exit_code = EXIT_REFUSED
+
+
+class UnreachableError(CommandError):
+    exit_code = EXIT_UNREACHABLE
+
+
+class NotConfiguredError(CommandError):
+    exit_code = EXIT_NOT_CONFIGURED
+
+
+class FollowTimeoutError(CommandError):
+    exit_code = EXIT_TIMEOUT
+
+
+def api_failure(exc: ApiError) -> RefusedError | UnreachableError:
+    """The exit code and message for an API call that did not succeed."""
+    if exc.transient:
+        return UnreachableError(exc.message)
+    message = exc.message
+    if exc.status == 401:
+        message += " (check --token, TIDAL_TOKEN or TIDAL_TOKEN_FILE)"
+    return RefusedError(message)
+
+
+# common options ------------------------------------------------------------------------
+
+
+def _target_options(func: F) -> F:
+    options = [
+        click.option("--url", metavar="URL", default=None,
+                     help="Coordinator URL (default: $TIDAL_URL, else the cluster file)."),
+        click.option("--token", metavar="TOKEN", default=None,
+                     help="API token (default: $TIDAL_TOKEN, $TIDAL_TOKEN_FILE, else the "
+                          "cluster file's; prefer those: flags show in `ps`)."),
+        click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None,
+                     help="Where `tidal up` keeps cluster.json (default: $TIDAL_HOME, "
+                          "else ~/.tidal)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print the API's JSON instead of a table.")(func)
+
+
+def _quiet_http_logs() -> None:
+    # The `tidal` group logs at INFO; httpx would log every request there.
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextmanager
+def connect(url: str | None, token: str | None, state_dir: Path | None) -> Iterator[TidalClient]:
+    """A client of the configured coordinator; API and configuration failures
+    become :class:`CommandError` (exit 4, 5 or 6)."""
+    _quiet_http_logs()
+    try:
+        target = resolve_target(url, token, state_dir)
+    except TargetError as exc:
+        raise NotConfiguredError(str(exc)) from None
+    try:
+        with TidalClient(target.url, target.token) as client:
+            yield client
+    except ApiError as exc:
+        raise api_failure(exc) from None
+
+
+def _check_id(value: str, *, what: str) -> str:
+    try:
+        return validate_id(value, what=what)
+    except InvalidIdentifierError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _job_id(_: click.Context, __: click.Parameter, value: str) -> str:
+    return _check_id(value, what="job id")
+
+
+def _node_id(_: click.Context, __: click.Parameter, value: str) -> str:
+    return _check_id(value, what="node id")
+
+
+# formatting ----------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    cells = [[str(h) for h in headers], *[[_cell(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [c.ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)]
+        lines.append("  ".join([*padded, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return " ".join(str(value).split())  # a newline in a message must not break the table
+
+
+def age(when: datetime | None, *, now: datetime | None = None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d``: how long ago ``when`` was."""
+    if when is None:
+        return "-"
+    seconds = max(0, int(((now or datetime.now(timezone.utc)) - when).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _clock(when: datetime, *, with_date: bool = True) -> str:
+    local = when.astimezone()
+    return local.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+
+
+def _bounds(view: JobView) -> str:
+    return f"{view.spec.min_nodes}..{view.spec.max_nodes}"
+
+
+def _event_line(event: JobEvent) -> str:
+    extra = ""
+    if event.world_size or event.nodes:
+        extra = f" [world size {event.world_size}"
+        extra += f": {', '.join(event.nodes)}]" if event.nodes else "]"
+    return (f"{_clock(event.time, with_date=False)}  {event.phase.value:<9}  "
+            f"{event.reason.value:<15}  {event.message}{extra}")
+
+
+def _error_lines(view: JobView) -> list[str]:
+    err = view.error
+    if err is None:
+        return []
+    how = f"signal {err.signal}" if err.signal else f"exit code {err.exit_code}"
+    lines = [f"rank {err.rank} failed with {how}" + (f": {err.message}" if err.message else "")]
+    if err.traceback:
+        tail = err.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
+        lines.append(f"last {len(tail)} line(s) of its traceback or stderr:")
+        lines += [f"  {line}" for line in tail]
+    return lines
+
+
+def _status_text(view: JobView) -> str:
+    spec = view.spec
+    restarts = str(view.restart_count)
+    if view.restarts:
+        restarts += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(view.restarts.items())) + ")"
+    step = "-" if view.last_step is None else str(view.last_step)
+    if view.last_checkpoint_step is not None:
+        step += f" (last checkpoint at step {view.last_checkpoint_step})"
+    phase = view.phase.value + (" (cancel requested)" if view.cancel_requested
+                                and not view.phase.is_terminal() else "")
+    pairs: list[tuple[str, object]] = [
+        ("job", view.job_id),
+        ("phase", phase),
+        ("command", shlex.join(spec.command)),
+        ("nodes", f"{len(view.nodes)} of {_bounds(view)}, {spec.nproc_per_node} worker(s) "
+                  f"per node, world size {view.world_size}"),
+        ("restarts", f"{restarts}, budget {spec.max_restarts}"),
+        ("step", step),
+        ("priority", spec.priority),
+        ("created", _clock(view.created_at)),
+        ("started", _clock(view.started_at) if view.started_at else None),
+        ("finished", _clock(view.finished_at) if view.finished_at else None),
+        ("exit reason", view.exit_reason.value if view.exit_reason else None),
+    ]
+    if spec.working_dir:
+        pairs.append(("workdir", spec.working_dir))
+    if spec.checkpoint_dir:
+        pairs.append(("checkpoints", spec.checkpoint_dir))
+    if spec.env_names:
+        pairs.append(("env", ", ".join(spec.env_names)))
+    if spec.node_selector:
+        pairs.append(("labels", ", ".join(f"{k}={v}" for k, v in spec.node_selector.items())))
+    width = max(len(k) for k, _ in pairs)
+    lines = [f"{k + ':':<{width + 1}}  {_cell(v)}" for k, v in pairs]
+    for cond in view.conditions:
+        lines.append(f"{'condition:':<{width + 1}}  {cond.type}={cond.status} "
+                     f"({cond.reason}{': ' + cond.message if cond.message else ''})")
+    if view.nodes:
+        lines += ["", table(
+            ["NODE", "STATE", "RANKS", "STEP", "RESTARTS"],
+            [[n.node_id, n.state, ",".join(map(str, n.ranks)) or None, n.last_step,
+              n.restart_count] for n in view.nodes],
+        )]
+    errors = _error_lines(view)
+    if errors:
+        lines += ["", "error: " + errors[0], *errors[1:]]
+    return "\n".join(lines)
+
+
+# following a job -----------------------------------------------------------------------
+
+
+@dataclass
+class _Follower:
+    """Polls a job and its events until the job is terminal, tolerating short outages."""
+
+    client: TidalClient
+    job_id: str
+    timeout_s: float | None = None
+    with_events: bool = True
+    seen_seq: int = -1
+    outage_since: float | None = None
+    _warned: bool = field(default=False, repr=False)
+
+    def poll(self) -> tuple[JobView, list[JobEvent]] | None:
+        """The job and its events not seen yet; None during an outage."""
+        try:
+            view = self.client.get_job(self.job_id)
+            events = [] if not self.with_events else [
+                e for e in self.client.events(self.job_id).events if e.seq > self.seen_seq]
+        except ApiError as exc:
+            if not exc.transient:
+                raise
+            now = time.monotonic()
+            if self.outage_since is None:
+                self.outage_since = now
+            if now - self.outage_since > OUTAGE_TOLERANCE_S:
+                raise
+            if not self._warned:
+                click.echo(f"warning: {exc.message}; retrying for up to "
+                           f"{OUTAGE_TOLERANCE_S:g} s", err=True)
+                self._warned = True
+            return None
+        self.outage_since = None
+        self._warned = False
+        if events:
+            self.seen_seq = events[-1].seq
+        return view, events
+
+    def run(self, on_update: Callable[[JobView, list[JobEvent]], None]) -> JobView:
+        """Call ``on_update`` on every poll until the job is terminal; return its last view.
+
+        Raises:
+            CommandError: ``timeout_s`` passed first (exit 7).
+            ApiError: the coordinator refused, or stayed away too long.
+        """
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while True:
+            got = self.poll()
+            if got is not None:
+                view, events = got
+                on_update(view, events)
+                if view.phase.is_terminal():
+                    return view
+            if deadline is not None and time.monotonic() >= deadline:
+                raise FollowTimeoutError(
+                    f"job {self.job_id} did not finish within --timeout {self.timeout_s:g} s; "
+                    "it goes on")
+            time.sleep(POLL_INTERVAL_S)
+
+
+def _follow_human(client: TidalClient, job_id: str, *, timeout_s: float | None) -> int:
+    """Print the job's events as they come, then its outcome; the exit code for it."""
+
+    def show(_: JobView, events: list[JobEvent]) -> None:
+        for event in events:
+            click.echo(_event_line(event))
+
+    try:
+        view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
+    except KeyboardInterrupt:
+        click.echo(f"\nstopped following job {job_id}; it goes on "
+                   f"(`tidal cancel {job_id}` stops it)", err=True)
+        return EXIT_INTERRUPTED
+    took = ""
+    if view.started_at and view.finished_at:
+        took = f" after {(view.finished_at - view.started_at).total_seconds():.1f} s"
+    click.echo(f"job {job_id} {view.phase.value}{took}")
+    for line in _error_lines(view):
+        click.echo(line, err=True)
+    if view.phase == JobPhase.FAILED:
+        click.echo(f"its output: tidal logs {job_id}", err=True)
+    return PHASE_EXIT[view.phase]
+
+
+def _follow_json(client: TidalClient, job_id: str, *, timeout_s: float | None) -> int:
+    """Print the job's view as one JSON line each time it changes."""
+    last: dict[str, Any] = {}
+
+    def show(view: JobView, _: list[JobEvent]) -> None:
+        nonlocal last
+        data = view.model_dump(mode="json")
+        if data != last:
+            click.echo(json.dumps(data))
+            last = data
+
+    try:
+        view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return PHASE_EXIT[view.phase]
+
+
+# submit --------------------------------------------------------------------------------
+
+
+def _pairs(values: Sequence[str], *, option: str, from_env: bool = False) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            if from_env and key in os.environ:
+                value = os.environ[key]
+            elif from_env:
+                raise click.BadParameter(
+                    f"{key!r} is not KEY=VALUE and not set in this environment",
+                    param_hint=option)
+            else:
+                raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=option)
+        out[key] = value
+    return out
+
+
+def default_name(command: Sequence[str]) -> str:
+    """A job name from its command: ``python train.py`` -> ``train``."""
+    words = list(command)
+    if words and re.match(r"^(python[0-9.]*|torchrun|uv|poetry)$", Path(words[0]).name):
+        rest = [w for w in words[1:] if not w.startswith("-")]
+        words = rest or words
+    stem = Path(words[0]).stem if words else "job"
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:40]
+    return name or "job"
+
+
+def _spec_error(exc: ValidationError) -> InvalidJobError:
+    # Values are never echoed: an --env value may be a secret.
+    fields = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'job'}: {err['msg']}"
+        for err in exc.errors()[:5]
+    )
+    return InvalidJobError(f"invalid job: {fields}")
+
+
+# Options end where COMMAND starts, so its own options (`--lr 0.1`) stay its own.
+@click.command("submit", context_settings={"allow_interspersed_args": False})
+@click.option("--name", help="Readable name; the job id is NAME-<suffix> "
+              "(default: from the command, e.g. `train` for `python train.py`).")
+@click.option("--min-nodes", type=click.IntRange(1), default=None,
+              help="Fewest nodes the job runs on (default 1).")
+@click.option("--max-nodes", type=click.IntRange(1), default=None,
+              help="Most nodes the job grows to (default: --min-nodes).")
+@click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
+              help="Worker processes per node.")
+@click.option("--workdir", help="Working directory, relative to the coordinator's "
+              "--workdir-root.")
+@click.option("--checkpoint-dir", help="Checkpoint directory, relative to the "
+              "coordinator's --checkpoint-root.")
+@click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]",
+              help="Environment variable for the workers; KEY alone copies it from here. "
+                   "Repeatable. Values are never shown back.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Run only on nodes carrying this label. Repeatable.")
+@click.option("--max-restarts", type=click.IntRange(0), default=None,
+              help="Worker failures the job survives (default 3).")
+@click.option("--priority", type=int, default=None, help="Higher is scheduled first (default 0).")
+@click.option("--grace-period", "grace_period_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="Seconds between SIGTERM and SIGKILL when workers stop "
+              "(default 30).")
+@click.option("--global-batch-size", type=click.IntRange(1), default=None,
+              help="Keep this many samples per step whatever the world size.")
+@click.option("--lr-rule", type=click.Choice(["none", "linear", "sqrt"]), default=None,
+              help="Scale the learning rate with the world size by this rule.")
+@click.option("--no-wait", is_flag=True,
+              help="Print the job id and return at once instead of following the job.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="Stop following after this many seconds (exit 7).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_target_options
+def submit_command(
+    name: str | None, min_nodes: int | None, max_nodes: int | None, nproc_per_node: int,
+    workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
+    labels: tuple[str, ...], max_restarts: int | None, priority: int | None,
+    grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
+    no_wait: bool, timeout_s: float | None, command: tuple[str, ...],
+    url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Submit a job running COMMAND on every worker, then follow it to its end.
+
+    Like torchrun, but elastic: the job starts once MIN nodes are free and
+    grows to MAX. Put COMMAND after `--`, e.g.
+
+        tidal submit --min-nodes 1 --max-nodes 3 -- python train.py --lr 0.1
+
+    Prints the job's events as they happen and exits with its outcome: 0
+    succeeded, 1 failed, 3 cancelled (2 is a usage error, 4/5/6 an API,
+    connection or configuration error, 7 --timeout, 130 Ctrl-C; the job goes
+    on after Ctrl-C). With --no-wait, prints only the job id.
+    """
+    fields: dict[str, Any] = {
+        "name": name or default_name(command),
+        "command": list(command),
+        "nproc_per_node": nproc_per_node,
+    }
+    fields["min_nodes"] = min_nodes if min_nodes is not None else 1
+    fields["max_nodes"] = max_nodes if max_nodes is not None else fields["min_nodes"]
+    optional: dict[str, Any] = {
+        "working_dir": workdir, "checkpoint_dir": checkpoint_dir, "max_restarts": max_restarts,
+        "priority": priority, "grace_period_s": grace_period_s,
+    }
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    if env:
+        fields["env"] = _pairs(env, option="--env", from_env=True)
+    if labels:
+        fields["node_selector"] = _pairs(labels, option="--label")
+    if global_batch_size is not None or lr_rule is not None:
+        fields["resize_policy"] = {"global_batch_size": global_batch_size,
+                                   "lr_rule": lr_rule or "none"}
+    try:
+        spec = JobSpec(**fields)
+    except ValidationError as exc:
+        raise _spec_error(exc) from None
+    with connect(url, token, state_dir) as client:
+        view = client.submit(spec)
+        if no_wait:
+            click.echo(view.job_id)
+            return
+        click.echo(f"submitted job {view.job_id} ({_bounds(view)} node(s) x "
+                   f"{spec.nproc_per_node} worker(s)); following it, Ctrl-C to stop")
+        code = _follow_human(client, view.job_id, timeout_s=timeout_s)
+    if code != EXIT_OK:
+        raise click.exceptions.Exit(code)
+
+
+# reading jobs and nodes ----------------------------------------------------------------
+
+
+@click.command("jobs")
+@click.option("--phase", type=click.Choice([p.value for p in JobPhase], case_sensitive=False),
+              default=None, help="Only jobs in this phase.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              help="Jobs per page.")
+@click.option("--all", "all_pages", is_flag=True, help="Every page, not just the first.")
+@_json_option
+@_target_options
+def jobs_command(
+    phase: str | None, limit: int, all_pages: bool, as_json: bool,
+    url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """List jobs, oldest first."""
+    wanted = JobPhase(phase.upper()) if phase else None
+    with connect(url, token, state_dir) as client:
+        if all_pages:
+            views, more = list(client.iter_jobs(phase=wanted)), None
+        else:
+            page = client.list_jobs(phase=wanted, limit=limit)
+            views, more = page.jobs, page.next_cursor
+    if as_json:
+        click.echo(dump_json({"jobs": [v.model_dump(mode="json") for v in views],
+                              "next_cursor": more}))
+        return
+    if not views:
+        click.echo("no jobs" + (f" in phase {wanted.value}" if wanted else ""), err=True)
+        return
+    click.echo(table(
+        ["JOB", "PHASE", "NODES", "WORLD", "RESTARTS", "STEP", "AGE", "COMMAND"],
+        [[v.job_id, v.phase.value, f"{len(v.nodes)} ({_bounds(v)})", v.world_size,
+          v.restart_count, v.last_step, age(v.created_at), shlex.join(v.spec.command)[:60]]
+         for v in views],
+    ))
+    if more:
+        click.echo(f"more jobs than --limit {limit}: use --all", err=True)
+
+
+@click.command("status")
+@click.argument("job", callback=_job_id)
+@click.option("--watch", is_flag=True,
+              help="Follow the job until it ends; exit 0 succeeded, 1 failed, 3 cancelled.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="With --watch: stop after this many seconds (exit 7).")
+@_json_option
+@_target_options
+def status_command(
+    job: str, watch: bool, timeout_s: float | None, as_json: bool,
+    url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Show one job: phase, nodes, restarts, progress and the error of a failed job.
+
+    With --json, the API's JobView; with --watch --json, one JSON line per change.
+    """
+    with connect(url, token, state_dir) as client:
+        if watch and as_json:
+            code = _follow_json(client, job, timeout_s=timeout_s)
+        else:
+            view = client.get_job(job)
+            if as_json:
+                click.echo(dump_json(view))
+                return
+            click.echo(_status_text(view))
+            if not watch:
+                return
+            click.echo("")
+            code = _follow_human(client, job, timeout_s=timeout_s)
+    if code != EXIT_OK:
+        raise click.exceptions.Exit(code)
+
+
+@click.command("events")
+@click.argument("job", callback=_job_id)
+@_json_option
+@_target_options
+def events_command(
+    job: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Show a job's history: every phase change and resize, with its reason."""
+    with connect(url, token, state_dir) as client:
+        events = client.events(job)
+    if as_json:
+        click.echo(dump_json(events))
+        return
+    click.echo(table(
+        ["SEQ", "TIME", "PHASE", "REASON", "WORLD", "NODES", "MESSAGE"],
+        [[e.seq, _clock(e.time), e.phase.value, e.reason.value, e.world_size,
+          ",".join(e.nodes) or None, e.message] for e in events.events],
+    ))
+
+
+@click.command("nodes")
+@_json_option
+@_target_options
+def nodes_command(
+    as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """List the live nodes: state, slots in use, labels and their jobs."""
+    with connect(url, token, state_dir) as client:
+        nodes = client.nodes()
+    if as_json:
+        click.echo(dump_json(list(nodes)))
+        return
+    if not nodes:
+        click.echo("no nodes are registered", err=True)
+        return
+    click.echo(_nodes_table(nodes))
+
+
+def _nodes_table(nodes: Sequence[NodeView]) -> str:
+    return table(
+        ["NODE", "STATE", "SLOTS", "GPUS", "ADDRESS", "LABELS", "JOBS"],
+        [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", n.gpus, n.address,
+          ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or None,
+          ",".join(n.jobs) or None] for n in nodes],
+    )
+
+
+# changing jobs and nodes ---------------------------------------------------------------
+
+
+@click.command("scale")
+@click.argument("job", callback=_job_id)
+@click.option("--min", "min_nodes", type=click.IntRange(1), default=None,
+              help="New minimum number of nodes.")
+@click.option("--max", "max_nodes", type=click.IntRange(1), default=None,
+              help="New maximum number of nodes.")
+@_json_option
+@_target_options
+def scale_command(
+    job: str, min_nodes: int | None, max_nodes: int | None, as_json: bool,
+    url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Change how many nodes JOB may run on; it resizes from its last checkpoint."""
+    if min_nodes is None and max_nodes is None:
+        raise click.UsageError("give --min, --max or both")
+    with connect(url, token, state_dir) as client:
+        view = client.scale(job, min_nodes=min_nodes, max_nodes=max_nodes)
+    if as_json:
+        click.echo(dump_json(view))
+        return
+    click.echo(f"job {view.job_id}: {_bounds(view)} node(s), now {view.phase.value} "
+               f"on {len(view.nodes)}")
+
+
+@click.command("cancel")
+@click.argument("job", callback=_job_id)
+@_json_option
+@_target_options
+def cancel_command(
+    job: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Cancel JOB: its workers get SIGTERM (time to checkpoint), then SIGKILL.
+
+    Returns once the cancel is recorded; `tidal status JOB --watch` waits for
+    the end (exit 3). Cancelling a job that already ended is refused (exit 4).
+    """
+    with connect(url, token, state_dir) as client:
+        view = client.cancel(job)
+    if as_json:
+        click.echo(dump_json(view))
+        return
+    click.echo(f"cancelling job {view.job_id} (was {view.phase.value})")
+
+
+@click.command("drain")
+@click.argument("node", callback=_node_id)
+@_json_option
+@_target_options
+def drain_command(
+    node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Take NODE out of service: its jobs checkpoint and go on without it."""
+    with connect(url, token, state_dir) as client:
+        view = client.drain(node)
+    if as_json:
+        click.echo(dump_json(view))
+        return
+    jobs = f"; its jobs move off it: {', '.join(view.jobs)}" if view.jobs else ""
+    click.echo(f"node {view.node_id} is {view.state}{jobs}")
+
+
+@click.command("undrain")
+@click.argument("node", callback=_node_id)
+@_json_option
+@_target_options
+def undrain_command(
+    node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Put a drained NODE back in service."""
+    with connect(url, token, state_dir) as client:
+        view = client.undrain(node)
+    if as_json:
+        click.echo(dump_json(view))
+        return
+    click.echo(f"node {view.node_id} is {view.state}")
+
+
+# logs ----------------------------------------------------------------------------------
+
+_STREAMS = ("stdout", "stderr")
+
+
+@dataclass(frozen=True)
+class LogFile:
+    """One worker's stdout or stderr of one attempt, in an agent's run directory.
+
+    The agent keeps ``RUN_DIR/jobs/JOB/gen-G/logs/<run>/attempt_K/<local_rank>/
+    stdout.log``: ``rank`` here is the local rank (the worker's index on its node).
+    """
+
+    node_id: str
+    generation: int
+    run_mtime: float
+    run: str
+    attempt: int
+    rank: int
+    stream: str
+    path: Path
+
+    @property
+    def group(self) -> tuple[str, int, str, int]:
+        return (self.node_id, self.generation, self.run, self.attempt)
+
+    def sort_key(self) -> tuple[Any, ...]:
+        return (self.node_id, self.generation, self.run_mtime, self.run, self.attempt,
+                self.rank, _STREAMS.index(self.stream))
+
+
+def _number(name: str, prefix: str) -> int | None:
+    rest = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def find_log_files(
+    cluster: ClusterFile, job_id: str, *, node: str | None = None, rank: int | None = None
+) -> list[LogFile]:
+    """Every worker log file of ``job_id`` in the cluster's run directories, in order."""
+    found = []
+    for agent in cluster.agents:
+        if node is not None and agent.node_id != node:
+            continue
+        for gen_dir in (agent.run_dir / "jobs" / job_id).glob("gen-*"):
+            generation = _number(gen_dir.name, "gen-")
+            if generation is None:
+                continue
+            for run_dir in (gen_dir / "logs").glob("*"):
+                try:
+                    run_mtime = run_dir.stat().st_mtime
+                except OSError:
+                    continue
+                for path in run_dir.glob("attempt_*/*/*.log"):
+                    attempt = _number(path.parent.parent.name, "attempt_")
+                    local = _number(path.parent.name, "")
+                    stream = path.stem
+                    if attempt is None or local is None or stream not in _STREAMS:
+                        continue
+                    if rank is not None and local != rank:
+                        continue
+                    found.append(LogFile(agent.node_id, generation, run_mtime, run_dir.name,
+                                         attempt, local, stream, path))
+    return sorted(found, key=LogFile.sort_key)
+
+
+def tail_offset(path: Path, lines: int, *, block: int = 65536) -> int:
+    """The byte offset where the last ``lines`` lines of ``path`` start.
+
+    Reads backwards a block at a time, so a large log costs only its tail.
+    """
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if lines <= 0 or end == 0:
+            return end
+        f.seek(end - 1)
+        # A final newline ends the last line; it does not start another one.
+        pos = end - 1 if f.read(1) == b"\n" else end
+        needed = lines
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            idx = len(chunk)
+            while (idx := chunk.rfind(b"\n", 0, idx)) >= 0:
+                needed -= 1
+                if needed == 0:
+                    return start + idx + 1
+            pos = start
+        return 0
+
+
+@dataclass
+class _Reader:
+    file: LogFile
+    offset: int
+    partial: bytes = b""
+
+
+class LogPrinter:
+    """Prints new lines of a changing set of log files, prefixed ``[node/rank]``.
+
+    Lines of a worker's stdout go to stdout and of its stderr to stderr (as
+    ``docker logs`` does); with ``as_json``, every line is a JSON object on
+    stdout. A header marks a node's move to a new attempt or generation.
+    """
+
+    def __init__(self, *, tail: int | None, as_json: bool) -> None:
+        self.tail = tail
+        self.as_json = as_json
+        self.readers: dict[Path, _Reader] = {}
+        self.last_group: dict[str, tuple[str, int, str, int]] = {}
+        self.first_scan = True
+
+    def scan(self, files: Sequence[LogFile], *, final: bool) -> None:
+        groups: dict[str, set[tuple[str, int, str, int]]] = {}
+        for f in files:
+            groups.setdefault(f.node_id, set()).add(f.group)
+        for f in files:
+            reader = self.readers.get(f.path)
+            if reader is None:
+                # Files there from the start honour --tail; later ones are new: all of it.
+                start = 0
+                if self.first_scan and self.tail is not None:
+                    try:
+                        start = tail_offset(f.path, self.tail)
+                    except OSError:
+                        continue
+                reader = self.readers[f.path] = _Reader(f, start)
+            self._drain(reader, several=len(groups[f.node_id]) > 1, final=final)
+        self.first_scan = False
+
+    def _drain(self, reader: _Reader, *, several: bool, final: bool) -> None:
+        try:
+            with open(reader.file.path, "rb") as fh:
+                fh.seek(reader.offset)
+                data = fh.read()
+        except OSError:
+            return
+        reader.offset += len(data)
+        data = reader.partial + data
+        lines = data.split(b"\n")
+        reader.partial = lines.pop()
+        if final and reader.partial:
+            lines.append(reader.partial)
+            reader.partial = b""
+        if not lines:
+            return
+        f = reader.file
+        if not self.as_json and self.last_group.get(f.node_id) != f.group and (
+            several or f.node_id in self.last_group
+        ):
+            click.echo(f"==> {f.node_id}: generation {f.generation}, attempt {f.attempt} <==")
+        self.last_group[f.node_id] = f.group
+        for raw in lines:
+            text = raw.decode("utf-8", errors="replace").rstrip("\r")
+            if self.as_json:
+                click.echo(json.dumps({
+                    "node": f.node_id, "rank": f.rank, "generation": f.generation,
+                    "attempt": f.attempt, "stream": f.stream, "line": text,
+                }))
+            else:
+                click.echo(f"[{f.node_id}/{f.rank}] {text}", err=f.stream == "stderr")
+
+
+def _local_cluster(state_dir: Path | None) -> ClusterFile:
+    state = state_dir if state_dir is not None else _default_state_dir()
+    try:
+        cluster = load_cluster(state)
+    except TargetError as exc:
+        raise NotConfiguredError(str(exc)) from None
+    if cluster is None:
+        raise NotConfiguredError(
+            f"`tidal logs` reads the agents' run directories of a local cluster started with "
+            f"`tidal up`, and there is no cluster file at {state / 'cluster.json'} "
+            "(pass --state-dir or set TIDAL_HOME); on other clusters, read the logs "
+            "on each node under its agent's --run-dir")
+    return cluster
+
+
+@click.command("logs")
+@click.argument("job", callback=_job_id)
+@click.option("--node", default=None, help="Only this node's workers.")
+@click.option("--rank", type=click.IntRange(0), default=None,
+              help="Only this local rank (the worker's index on its node).")
+@click.option("--tail", type=click.IntRange(0), default=None,
+              help="Only the last N lines of each worker's output.")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing new lines until the job ends (or Ctrl-C).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line: node, rank, generation, attempt, stream, line.")
+@_target_options
+def logs_command(
+    job: str, node: str | None, rank: int | None, tail: int | None, follow: bool,
+    as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
+) -> None:
+    """Print the workers' output of JOB, each line prefixed [node/rank].
+
+    LOCAL CLUSTERS ONLY: reads the agents' run directories listed in the
+    cluster file `tidal up` writes (STATE_DIR/cluster.json). The agents keep
+    one file per worker and attempt, without prefixes; RANK is the local rank
+    (a worker's index on its node). A worker's stdout is printed on stdout,
+    its stderr on stderr; every attempt is shown, oldest first, with a header
+    where a node moved to a new one.
+    """
+    cluster = _local_cluster(state_dir)
+    known = [a.node_id for a in cluster.agents]
+    if node is not None and node not in known:
+        raise click.BadParameter(
+            f"node {node!r} is not in the cluster file (its nodes: {', '.join(known) or 'none'})",
+            param_hint="--node")
+    printer = LogPrinter(tail=tail, as_json=as_json)
+    files = find_log_files(cluster, job, node=node, rank=rank)
+    if not follow:
+        if files:
+            printer.scan(files, final=True)
+            return
+        with connect(url, token, state_dir) as client:
+            view = client.get_job(job)  # 404 (exit 4) for a job that does not exist
+        which = (f" of local rank {rank}" if rank is not None else "") + (
+            f" on node {node}" if node is not None else "")
+        click.echo(f"no worker output{which} of job {job} in the run directories of "
+                   f"{', '.join(known) or 'no node'} (the job is {view.phase.value})", err=True)
+        return
+    try:
+        with connect(url, token, state_dir) as client:
+            follower = _Follower(client, job, with_events=False)
+            while True:
+                got = follower.poll()
+                ended = got is not None and got[0].phase.is_terminal()
+                # Read after the phase: a job that ended has written all its output.
+                printer.scan(find_log_files(cluster, job, node=node, rank=rank), final=ended)
+                if ended:
+                    return
+                time.sleep(POLL_INTERVAL_S)
+    except KeyboardInterrupt:
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+
+
+COMMANDS: tuple[click.Command, ...] = (
+    submit_command, jobs_command, status_command, events_command, scale_command,
+    cancel_command, nodes_command, drain_command, undrain_command, logs_command,
+)
+
+
+def register(group: click.Group) -> None:
+    """Add the job and node commands to ``group`` (the ``tidal`` command line)."""
+    for command in COMMANDS:
+        group.add_command(command)
