@@ -92,7 +92,9 @@ class Reconciler:
     def wake(self) -> None:
         self._wake.set()
 
-    def _on_event(self, _event: WatchEvent) -> None:
+    def _on_event(self, event: WatchEvent) -> None:
+        if event.kind == "delete" and event.key.startswith(self.store.keys.nodes_prefix()):
+            self.metrics.node_departures.inc()
         self._wake.set()
 
     # leadership ------------------------------------------------------------------------
