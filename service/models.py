@@ -280,16 +280,29 @@ class JobRecord(BaseModel):
     next_event: int = 0
     restarts: dict[str, int] = Field(default_factory=dict)
 
+    def condition_differs(self, type_: str, status: bool, reason: str) -> bool:
+        """Whether :meth:`set_condition` with these values would change anything."""
+        return not any(
+            c.type == type_ and c.status == status and c.reason == reason for c in self.conditions
+        )
+
     def set_condition(
         self, type_: Literal["Scheduled", "Running", "Finished"], status: bool, reason: str,
-        message: str = "",
+        message: str = "", *, now: datetime | None = None,
     ) -> None:
-        """Set a condition, keeping its transition time when its status is unchanged."""
+        """Set a condition, keeping its transition time when its status is unchanged.
+
+        ``now`` is the transition time (default: the wall clock). The scheduler
+        passes the time it was given, so that the same view gives the same plan.
+        """
+        if not self.condition_differs(type_, status, reason):
+            return
+        now = utcnow() if now is None else now
         for i, cond in enumerate(self.conditions):
             if cond.type == type_:
                 if cond.status == status and cond.reason == reason:
                     return
-                when = cond.last_transition_time if cond.status == status else utcnow()
+                when = cond.last_transition_time if cond.status == status else now
                 self.conditions[i] = Condition(
                     type=type_, status=status, reason=reason, message=message,
                     last_transition_time=when,
@@ -297,7 +310,7 @@ class JobRecord(BaseModel):
                 return
         self.conditions.append(
             Condition(type=type_, status=status, reason=reason, message=message,
-                      last_transition_time=utcnow())
+                      last_transition_time=now)
         )
 
 

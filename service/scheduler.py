@@ -110,6 +110,10 @@ class _Planner:
         self.changes: dict[str, JobChange] = {}
         self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
         self.free: dict[str, int] = {}
+        self.open: dict[str, int] = {}  # the nodes of ``free`` with a free slot
+        # job -> nodes whose assignment this pass deletes because the node left the
+        # job; see _fits.
+        self.left: dict[str, set[str]] = {}
 
     # bookkeeping -------------------------------------------------------------------
 
@@ -149,6 +153,15 @@ class _Planner:
         record.next_generation += 1
         return assignment_for(record, generation)
 
+    def _adjust(self, node_id: str, delta: int) -> None:
+        """Change a node's free slots, keeping :attr:`open` (nodes with any free) in step."""
+        free = self.free.get(node_id, 0) + delta
+        self.free[node_id] = free
+        if free > 0:
+            self.open[node_id] = free
+        else:
+            self.open.pop(node_id, None)
+
     def count_restart(self, job_id: str, reason: EventReason) -> None:
         record = self.change(job_id).record
         record.restarts[reason.value] = record.restarts.get(reason.value, 0) + 1
@@ -157,10 +170,9 @@ class _Planner:
 
     def run(self) -> list[JobChange]:
         view = self.view
-        self.free = {
-            node_id: info.slots for node_id, info in view.nodes.items()
-            if node_id not in view.draining
-        }
+        for node_id, info in view.nodes.items():
+            if node_id not in view.draining:
+                self._adjust(node_id, info.slots)
         active: list[JobRecord] = []
         for record in sorted(view.jobs.values(), key=_order):
             assigned = view.assignments.get(record.job_id, {})
@@ -181,7 +193,12 @@ class _Planner:
             self._grow(record, to_min_only=False)
         for record in active:
             self._settle_phase(record)
-        return [c for c in self.changes.values() if self._is_change(c)]
+        # A job's change is created by whichever step touches it first, so the
+        # dict's order is not the jobs' order: sort, as plan() promises.
+        return sorted(
+            (c for c in self.changes.values() if self._is_change(c)),
+            key=lambda c: _order(view.jobs[c.job_id]),
+        )
 
     def _is_change(self, change: JobChange) -> bool:
         return bool(change.put or change.delete or change.events) or (
@@ -209,9 +226,17 @@ class _Planner:
                        f"{detail}")
         phase, exit_reason, reason, message = outcome
         change = self.change(job_id)
+        # The agents' failure restarts count toward the job only while its nodes
+        # are in force (service.app.job_view); keep them once it ends.
+        failed_restarts = max(
+            (st.restart_reasons.get("worker_failed", 0) for st in reports.values()), default=0
+        )
+        if failed_restarts:
+            restarts = change.record.restarts
+            restarts["worker_failed"] = restarts.get("worker_failed", 0) + failed_restarts
         change.record.exit_reason = exit_reason
-        change.record.set_condition("Finished", True, reason.value, message)
-        change.record.set_condition("Running", False, reason.value, message)
+        change.record.set_condition("Finished", True, reason.value, message, now=self.now)
+        change.record.set_condition("Running", False, reason.value, message, now=self.now)
         self.members[job_id] = {}
         change.record.nodes = {}
         self.set_phase(job_id, phase, reason, message)
@@ -230,11 +255,13 @@ class _Planner:
             left = node_id in reports and reports[node_id].state == JobNodeState.CANCELLED
             if node_id not in view.nodes or left:
                 lost.append(node_id)
+                if left:
+                    self.left.setdefault(job_id, set()).add(node_id)
             elif node_id in view.draining:
                 drained.append(node_id)
             else:
                 kept[node_id] = assignment
-                self.free[node_id] = self.free.get(node_id, 0) - assignment.nproc_per_node
+                self._adjust(node_id, -assignment.nproc_per_node)
         self.members[job_id] = kept
         change = self.change(job_id) if (lost or drained) else None
         if change is not None:
@@ -260,7 +287,7 @@ class _Planner:
             newest = sorted(kept, key=lambda n: kept[n].generation, reverse=True)[:surplus]
             for node_id in newest:
                 released.append(node_id)
-                self.free[node_id] += kept.pop(node_id).nproc_per_node
+                self._adjust(node_id, kept.pop(node_id).nproc_per_node)
             self.change(job_id).delete.extend(sorted(released))
         stale = [
             n for n, a in kept.items()
@@ -285,6 +312,12 @@ class _Planner:
             node_id in self.free
             and self.free[node_id] >= record.spec.nproc_per_node
             and node_id not in self.members[record.job_id]
+            # A node whose runner just left this job is live and has free slots
+            # again, but giving it back in this pass would put and delete the same
+            # key in one transaction, which etcd refuses ("duplicate key given in
+            # txn request"), failing every pass from then on. The next pass, when
+            # the report belongs to no assignment, may assign it again.
+            and node_id not in self.left.get(record.job_id, ())
             and all(info.labels.get(k) == v for k, v in selector.items())
         )
 
@@ -296,8 +329,14 @@ class _Planner:
         want = target - len(kept)
         if want <= 0:
             return
+        if not to_min_only and len(kept) < spec.min_nodes:
+            # The gang step could not give this job its minimum; growth must not
+            # give it part of it either (it would hold nodes while PENDING).
+            return
+        if not any(free >= spec.nproc_per_node for free in self.open.values()):
+            return  # nothing fits anywhere: skip the scan (2,000 pending jobs on a full cluster)
         candidates = sorted(
-            (n for n in self.free if self._fits(record, n)),
+            (n for n in self.open if self._fits(record, n)),
             key=lambda n: (-self.free[n], n),
         )
         if to_min_only and len(candidates) < want:
@@ -308,14 +347,17 @@ class _Planner:
         for node_id in chosen:
             kept[node_id] = self.new_assignment(job_id)
             self.change(job_id).put[node_id] = kept[node_id]
-            self.free[node_id] -= spec.nproc_per_node
+            self._adjust(node_id, -spec.nproc_per_node)
         first_start = record.started_at is None and self.change(job_id).record.started_at is None
         if first_start:
             self.change(job_id).record.started_at = self.now
             self.event(job_id, EventReason.SCHEDULED,
                        f"scheduled on {', '.join(sorted(kept))}", sorted(kept))
         else:
-            self.count_restart(job_id, EventReason.NODE_JOINED)
+            # Growth in the very pass that starts the job (gang, then toward the
+            # maximum) is written in the same transaction: nothing restarts.
+            if record.started_at is not None:
+                self.count_restart(job_id, EventReason.NODE_JOINED)
             self.event(job_id, EventReason.NODE_JOINED,
                        f"node(s) {', '.join(chosen)} joined", chosen)
 
@@ -364,11 +406,11 @@ class _Planner:
         self, job_id: str, type_: str, status: bool, reason: EventReason, message: str
     ) -> None:
         record = self.changes[job_id].record if job_id in self.changes else self.view.jobs[job_id]
-        probe = record.model_copy(deep=True)
-        probe.set_condition(type_, status, reason.value, message)  # type: ignore[arg-type]
-        if probe.conditions != record.conditions:
+        # Checked before change(): most passes change nothing for most jobs,
+        # and change() deep-copies the record.
+        if record.condition_differs(type_, status, reason.value):
             self.change(job_id).record.set_condition(
-                type_, status, reason.value, message  # type: ignore[arg-type]
+                type_, status, reason.value, message, now=self.now  # type: ignore[arg-type]
             )
 
 

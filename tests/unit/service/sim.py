@@ -1,0 +1,223 @@
+"""A cluster driven only through :func:`service.scheduler.plan`, for the scheduler's tests.
+
+:func:`apply` writes a plan into a :class:`ClusterView` the way the reconcile
+loop writes it into etcd (one transaction per :class:`JobChange`), and refuses
+what etcd would refuse. :class:`Sim` keeps a view and plays everyone else: the
+agents (reporting a state for their assignment's generation), the nodes
+(dying, joining, draining), and the API (submit, PATCH, cancel), so that tests
+can run successive reconcile passes without etcd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
+
+from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
+from rendezvous.registry import NodeInfo
+from service.models import EventReason, JobEvent, JobPhase, JobRecord, JobSpec
+from service.scheduler import ClusterView, JobChange, plan
+
+T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+
+
+def make_node(
+    node_id: str, *, slots: int = 1, labels: dict[str, str] | None = None
+) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id, host="host", slots=slots, labels=labels or {}, started_at=T0,
+        version="test",
+    )
+
+
+def make_job(
+    job_id: str,
+    *,
+    min_nodes: int = 1,
+    max_nodes: int = 1,
+    nproc: int = 1,
+    priority: int = 0,
+    created: int = 0,
+    selector: dict[str, str] | None = None,
+) -> JobRecord:
+    """A job as ``POST /v1/jobs`` stores it; ``created`` is seconds after :data:`T0`."""
+    spec = JobSpec(
+        name=job_id, command=["python", "train.py"], min_nodes=min_nodes, max_nodes=max_nodes,
+        nproc_per_node=nproc, priority=priority, node_selector=selector or {},
+    )
+    # The API writes the "submitted" event as seq 0.
+    return JobRecord(
+        job_id=job_id, spec=spec, created_at=T0 + timedelta(seconds=created), next_event=1
+    )
+
+
+def apply(view: ClusterView, changes: list[JobChange]) -> ClusterView:
+    """The view after the reconcile loop wrote ``changes``, one transaction each.
+
+    Raises:
+        AssertionError: a change that etcd would refuse: one transaction that
+            puts and deletes the same key ("duplicate key given in txn request"),
+            or a record for a job that does not exist.
+    """
+    jobs = dict(view.jobs)
+    assignments = {job: dict(per_node) for job, per_node in view.assignments.items()}
+    for change in changes:
+        assert change.job_id in jobs, f"a change for unknown job {change.job_id}"
+        assert change.record.job_id == change.job_id
+        both = set(change.put) & set(change.delete)
+        assert not both, (
+            f"job {change.job_id}: one transaction puts and deletes the assignment on "
+            f"{sorted(both)}; etcd refuses it (duplicate key given in txn request)"
+        )
+        jobs[change.job_id] = change.record
+        per_node = assignments.setdefault(change.job_id, {})
+        for node_id in change.delete:
+            per_node.pop(node_id, None)
+        per_node.update(change.put)
+        if not per_node:
+            del assignments[change.job_id]
+    return replace(view, jobs=jobs, assignments=assignments)
+
+
+@dataclass
+class Sim:
+    """A cluster whose only coordinator is :func:`plan`."""
+
+    view: ClusterView = field(default_factory=lambda: ClusterView(jobs={}, nodes={}))
+    clock: datetime = T0 + timedelta(minutes=1)
+    events: dict[str, list[JobEvent]] = field(default_factory=dict)
+    history: list[list[JobChange]] = field(default_factory=list)
+
+    # the coordinator -----------------------------------------------------------------
+
+    def plan(self) -> list[JobChange]:
+        return plan(self.view, self.clock)
+
+    def step(self) -> list[JobChange]:
+        """One reconcile pass: plan on the current view and write the plan."""
+        changes = self.plan()
+        self.view = apply(self.view, changes)
+        for change in changes:
+            self.events.setdefault(change.job_id, []).extend(change.events)
+        self.history.append(changes)
+        self.clock += timedelta(seconds=1)
+        return changes
+
+    def settle(self, *, max_passes: int = 10) -> int:
+        """Pass and let every agent report running until a pass changes nothing.
+
+        Returns:
+            How many passes wrote something.
+        """
+        for passes in range(max_passes):
+            self.report_running()
+            if not self.step():
+                return passes
+        raise AssertionError(f"no fixed point after {max_passes} passes: {self.history[-1]}")
+
+    # the API -------------------------------------------------------------------------
+
+    def submit(self, record: JobRecord) -> None:
+        self.events[record.job_id] = [
+            JobEvent(seq=0, time=self.clock, phase=JobPhase.PENDING,
+                     reason=EventReason.SUBMITTED, message="submitted")
+        ]
+        self._put_job(record)
+
+    def cancel(self, job_id: str) -> None:
+        self._put_job(self.job(job_id).model_copy(update={"cancel_requested": True}))
+
+    def patch(self, job_id: str, *, min_nodes: int | None = None,
+              max_nodes: int | None = None) -> None:
+        """What ``PATCH /v1/jobs/{id}`` writes: new bounds and a scaled_by_user event."""
+        record = self.job(job_id).model_copy(deep=True)
+        bounds = {"min_nodes": min_nodes or record.spec.min_nodes,
+                  "max_nodes": max_nodes or record.spec.max_nodes}
+        record.spec = JobSpec.model_validate({**record.spec.model_dump(), **bounds})
+        self.events[job_id].append(
+            JobEvent(seq=record.next_event, time=self.clock, phase=record.phase,
+                     reason=EventReason.SCALED_BY_USER, message="bounds set")
+        )
+        record.next_event += 1
+        self._put_job(record)
+
+    def _put_job(self, record: JobRecord) -> None:
+        self.view = replace(self.view, jobs={**self.view.jobs, record.job_id: record})
+
+    # the nodes -----------------------------------------------------------------------
+
+    def join(self, *nodes: NodeInfo) -> None:
+        self.view = replace(
+            self.view, nodes={**self.view.nodes, **{n.node_id: n for n in nodes}}
+        )
+
+    def kill(self, *node_ids: str) -> None:
+        """The nodes' leases expire: their records go (assignments and reports stay)."""
+        self.view = replace(
+            self.view, nodes={k: v for k, v in self.view.nodes.items() if k not in node_ids}
+        )
+
+    def drain(self, *node_ids: str) -> None:
+        self.view = replace(self.view, draining=self.view.draining | frozenset(node_ids))
+
+    def undrain(self, *node_ids: str) -> None:
+        self.view = replace(self.view, draining=self.view.draining - frozenset(node_ids))
+
+    # the agents ----------------------------------------------------------------------
+
+    def report(
+        self,
+        job_id: str,
+        node_id: str,
+        state: JobNodeState = JobNodeState.RUNNING,
+        *,
+        world_size: int | None = None,
+        generation: int | None = None,
+        error: WorkerError | None = None,
+        at: int = 0,
+    ) -> None:
+        """``node_id``'s agent reports ``state`` for its assignment of ``job_id``.
+
+        Unless given, the generation is the assignment's and the world size the
+        job's current one (assigned nodes times processes per node).
+        """
+        if generation is None:
+            generation = self.view.assignments[job_id][node_id].generation
+        if world_size is None:
+            world_size = len(self.placed(job_id)) * self.job(job_id).spec.nproc_per_node
+        status = JobNodeStatus(
+            job_id=job_id, node_id=node_id, generation=generation, state=state,
+            world_size=world_size, error=error, updated_at=self.clock + timedelta(seconds=at),
+        )
+        statuses = {job: dict(per_node) for job, per_node in self.view.statuses.items()}
+        statuses.setdefault(job_id, {})[node_id] = status
+        self.view = replace(self.view, statuses=statuses)
+
+    def report_running(self) -> None:
+        """Every assigned node's agent runs its job at the job's current world size."""
+        for job_id, per_node in sorted(self.view.assignments.items()):
+            for node_id in sorted(per_node):
+                self.report(job_id, node_id)
+
+    # reading -------------------------------------------------------------------------
+
+    def job(self, job_id: str) -> JobRecord:
+        return self.view.jobs[job_id]
+
+    def phase(self, job_id: str) -> JobPhase:
+        return self.job(job_id).phase
+
+    def placed(self, job_id: str) -> set[str]:
+        return set(self.view.assignments.get(job_id, {}))
+
+    def assignment(self, job_id: str, node_id: str) -> Assignment:
+        return self.view.assignments[job_id][node_id]
+
+    def reasons(self, job_id: str) -> list[EventReason]:
+        return [e.reason for e in self.events.get(job_id, [])]
+
+    def used(self, node_id: str) -> int:
+        return sum(
+            per_node[node_id].nproc_per_node
+            for per_node in self.view.assignments.values() if node_id in per_node
+        )
