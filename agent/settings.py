@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from agent.logcap import DEFAULT_MAX_BYTES
 from rendezvous.keys import validate_id
 from rendezvous.settings import EtcdSettings
 
@@ -38,6 +39,7 @@ class AgentSettings(EtcdSettings):
     lease_ttl_s: int = Field(default=5, ge=2, le=300)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     stop_grace_s: float = Field(default=30.0, gt=0, le=3600)
+    log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
 
     @field_validator("node_id")
     @classmethod

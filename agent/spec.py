@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from agent.logcap import DEFAULT_MAX_BYTES
 from rendezvous.client import EtcdConfig
 from rendezvous.records import Assignment
 
@@ -29,3 +30,4 @@ class RunnerSpec(BaseModel):
     etcd: EtcdConfig
     job_dir: Path
     parent_pid: int
+    log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)

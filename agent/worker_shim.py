@@ -3,7 +3,9 @@
 torch elastic runs ``python -m agent.worker_shim -- ARGV...`` instead of the
 job's command: the shim sets the parent-death signal (see
 :mod:`agent.lifeline`) and then ``exec``s the command unchanged, as a literal
-argument vector (never through a shell). The signal survives ``exec``.
+argument vector (never through a shell). The signal survives ``exec``. It
+also re-opens stdout and stderr in append mode, so that the runner can cap
+the log files by copy-and-truncate (:mod:`agent.logcap`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import sys
 
 from agent.lifeline import die_with_parent
+from agent.logcap import reopen_for_append
 
 USAGE = "usage: python -m agent.worker_shim PARENT_PID -- COMMAND [ARG...]"
 
@@ -21,6 +24,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.write(USAGE + "\n")
         raise SystemExit(2)
     die_with_parent(expected_parent=int(argv[0]))
+    reopen_for_append()  # so that the runner can cap the log files (agent.logcap)
     command = argv[2:]
     try:
         os.execvp(command[0], command)  # noqa: S606  (an argv list, never a shell)

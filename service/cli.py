@@ -94,6 +94,8 @@ def rdzv_clean(job: str, endpoints: tuple[str, ...], etcd_root: str) -> None:
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Logs and scratch.")
 @click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a silent node is gone.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--log-max-bytes", type=int,
+              help="Cap per rank log file (rotated to NAME.1 beyond it; default 100 MiB).")
 def agent_command(**flags: object) -> None:
     """Run the node agent: register this node and run the jobs assigned to it."""
     # The CLI is the composition root: the agent is imported only here, so the

@@ -26,9 +26,11 @@ class ProcessGroupRegistry:
         log_path: Path,
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
+        append: bool = True,
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` (never through a shell) in a new session, output to ``log_path``."""
-        with open(log_path, "ab") as log_file:
+        """Start ``argv`` (never through a shell) in a new session, output to ``log_path``
+        (appended to, or truncated and written from the start as torch does)."""
+        with open(log_path, "ab" if append else "wb") as log_file:
             proc = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
