@@ -9,6 +9,7 @@ naming the field, not a crash three calls later.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 
@@ -25,6 +26,38 @@ MAX_ENV_VALUE_LEN = 8192
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def check_command(value: list[str]) -> list[str]:
+    """An argument vector: every argument bounded and free of NUL bytes.
+
+    Raises:
+        ValueError: naming the argument's index.
+    """
+    for i, arg in enumerate(value):
+        if len(arg) > MAX_ARG_LEN or "\0" in arg:
+            raise ValueError(f"command[{i}] is longer than {MAX_ARG_LEN} or holds a NUL byte")
+    return value
+
+
+def check_env(value: dict[str, str], *, reserved: Callable[[str], bool] = lambda _: False) -> (
+    dict[str, str]
+):
+    """Environment variables: valid names, bounded values without NUL bytes, none reserved.
+
+    Raises:
+        ValueError: naming the variable (never its value: it may be a secret).
+    """
+    if len(value) > MAX_ENV:
+        raise ValueError(f"env has {len(value)} variables; at most {MAX_ENV} are allowed")
+    for name, text in value.items():
+        if not _ENV_NAME_RE.match(name):
+            raise ValueError(f"env variable name {name!r} is not a valid name")
+        if reserved(name):
+            raise ValueError(f"env variable {name} is set by tidal and cannot be given")
+        if len(text) > MAX_ENV_VALUE_LEN or "\0" in text:
+            raise ValueError(f"env variable {name} is too long or holds a NUL byte")
+    return value
 
 
 class Assignment(BaseModel):
@@ -59,22 +92,12 @@ class Assignment(BaseModel):
     @field_validator("command")
     @classmethod
     def _command(cls, value: list[str]) -> list[str]:
-        for i, arg in enumerate(value):
-            if len(arg) > MAX_ARG_LEN or "\0" in arg:
-                raise ValueError(f"command[{i}] is longer than {MAX_ARG_LEN} or holds a NUL byte")
-        return value
+        return check_command(value)
 
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > MAX_ENV:
-            raise ValueError(f"env has {len(value)} variables; at most {MAX_ENV} are allowed")
-        for name, text in value.items():
-            if not _ENV_NAME_RE.match(name):
-                raise ValueError(f"env variable name {name!r} is not a valid name")
-            if len(text) > MAX_ENV_VALUE_LEN or "\0" in text:
-                raise ValueError(f"env variable {name} is too long or holds a NUL byte")
-        return value
+        return check_env(value)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> Assignment:
@@ -136,6 +159,9 @@ class JobNodeStatus(BaseModel):
     remaining_restarts: int = 0
     last_step: int | None = None
     last_checkpoint_step: int | None = None
+    # Seconds from the last failure or membership change this node noticed to
+    # the first step of the workers it then started (agent.status).
+    last_recovery_seconds: float | None = Field(default=None, ge=0)
     error: WorkerError | None = None
     pid: int = 0
     updated_at: datetime = Field(default_factory=utcnow)

@@ -33,9 +33,10 @@ from pydantic import (
 from rendezvous.records import (
     MAX_ARG_LEN,
     MAX_ARGV,
-    MAX_ENV,
     MAX_ENV_VALUE_LEN,
     WorkerError,
+    check_command,
+    check_env,
     utcnow,
 )
 
@@ -182,24 +183,12 @@ class JobSpec(BaseModel):
     @field_validator("command")
     @classmethod
     def _command(cls, value: list[str]) -> list[str]:
-        for i, arg in enumerate(value):
-            if "\0" in arg:
-                raise ValueError(f"command[{i}] holds a NUL byte")
-        return value
+        return check_command(value)
 
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > MAX_ENV:
-            raise ValueError(f"env has {len(value)} variables; at most {MAX_ENV} are allowed")
-        for name, text in value.items():
-            if not _ENV_NAME_RE.match(name):
-                raise ValueError(f"env variable name {name!r} is not a valid name")
-            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
-                raise ValueError(f"env variable {name} is set by tidal and cannot be given")
-            if "\0" in text:
-                raise ValueError(f"env variable {name} holds a NUL byte")
-        return value
+        return check_env(value, reserved=is_reserved_env)
 
     @field_validator("working_dir", "checkpoint_dir")
     @classmethod
@@ -213,6 +202,11 @@ class JobSpec(BaseModel):
     def _bounds(self) -> JobSpec:
         check_bounds(self.min_nodes, self.max_nodes)
         return self
+
+
+def is_reserved_env(name: str) -> bool:
+    """Whether tidal (or torch elastic) sets ``name`` for the workers itself."""
+    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
 
 
 def check_bounds(min_nodes: int, max_nodes: int) -> None:
