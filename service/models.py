@@ -15,7 +15,6 @@ written down; leaving a terminal phase raises :class:`IllegalTransitionError`.
 
 from __future__ import annotations
 
-import re
 import secrets
 from datetime import datetime
 from enum import Enum
@@ -44,7 +43,6 @@ from rendezvous.records import (
 # '.', '_' and '-', starting with a letter or digit.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,39}$"
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_NODES = 10_000
 #: Environment variable names reserved for what tidal itself tells the workers.
 RESERVED_ENV_PREFIXES = ("TIDAL_", "TORCHELASTIC_")
