@@ -19,6 +19,13 @@ Why a facade rather than pyetcd's client directly:
   caller iterates; :mod:`rendezvous.watch` builds list-then-watch with
   reconnects on top of it.
 * pyetcd's default timeout is ``None`` (wait forever). Every call here has one.
+* pyetcd authenticates a user once, at construction, against one endpoint
+  picked at random. etcd forgets simple tokens when it restarts, expires JWT
+  ones and outdates both when users or roles change; we authenticate again
+  when etcd rejects our token, and retry the call once.
+* pyetcd reports a refused TLS handshake as a bare "connection failed"; the
+  errors here name the problem (no client certificate, the wrong CA, a server
+  certificate that does not name the host).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pyetcd import etcdrpc
 from pyetcd import exceptions as pyetcd_exc
-from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
 
 from rendezvous.errors import (
     EtcdAuthError,
@@ -128,6 +135,49 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"etcd endpoint {endpoint!r} is not host:port with a port in 1-65535")
     return host, int(port_text)
+
+
+# etcd no longer accepts the token we hold: get a new one and retry (what
+# etcd's own Go client does). Simple tokens live in the memory of the member
+# and die with it; JWT tokens expire; a change of users or roles outdates both.
+_TOKEN_REJECTED = ("invalid auth token", "revision of auth store is old")
+# etcd answers these with INVALID_ARGUMENT or FAILED_PRECONDITION, not UNAUTHENTICATED.
+_AUTH_REFUSED = ("authentication failed", "authentication is not enabled", "user name is empty")
+
+
+class _AuthTokenRejectedError(EtcdAuthError):
+    """etcd refused our auth token (not our user): authenticating again fixes it."""
+
+
+def _tls_problem(detail: str, config: EtcdConfig) -> str | None:
+    """A sentence naming what went wrong in a TLS handshake with etcd, from gRPC's
+    error details; None when they show no TLS failure (etcd merely unreachable)."""
+    text = detail.lower()
+    if "hostname verification" in text or "peer name" in text:
+        return (
+            "etcd's server certificate does not name the host it was reached at: "
+            "add that name or IP address to the certificate's subject alternative names"
+        )
+    if "certificate_verify_failed" in text:
+        return (
+            f"etcd's server certificate could not be verified with the CA in {config.ca_cert}: "
+            "is that the CA that signed it, and is the certificate still valid?"
+        )
+    if config.secure and any(
+        sign in text for sign in ("bad_certificate", "certificate_required", "tsi_data_corrupted")
+    ):
+        # TLS 1.3: etcd checks the client certificate after the client's half of
+        # the handshake, so its refusal arrives as a corrupt first record.
+        if config.cert_cert is None:
+            return (
+                "etcd closed the TLS connection: it requires a client certificate and none "
+                "was given (--etcd-cert and --etcd-key, or TIDAL_ETCD_CERT and TIDAL_ETCD_KEY)"
+            )
+        return (
+            f"etcd refused the client certificate {config.cert_cert}: is it signed by a CA "
+            "in etcd's --trusted-ca-file, and still valid?"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -258,7 +308,14 @@ class EtcdClient:
         self.keys = Keys(config.root)
         self._timeout = config.timeout_s
         self._where = ", ".join(config.endpoints)
+        self._auth_lock = threading.Lock()
         self._client = self._build(config)
+        if config.user is not None:
+            try:
+                self._first_answer(self._authenticate)
+            except BaseException:
+                self.close()
+                raise
 
     # construction -------------------------------------------------------------
 
@@ -293,17 +350,51 @@ class EtcdClient:
                     opts=_GRPC_OPTIONS,
                 )
             )
-        password = config.password.get_secret_value() if config.password else None
-        return self._translate(
-            "authenticate",
-            lambda: MultiEndpointEtcd3Client(
-                endpoints=endpoints,
-                timeout=self._timeout,
-                user=config.user,
-                password=password,
-                failover=True,
-            ),
+        # No user here: pyetcd would authenticate once, against one endpoint
+        # picked at random, and never again. :meth:`_authenticate` does it.
+        return MultiEndpointEtcd3Client(endpoints=endpoints, timeout=self._timeout, failover=True)
+
+    def _first_answer(self, call: Callable[[], T]) -> T:
+        """Run ``call``, trying the next endpoint while one does not answer.
+
+        A failed call marks its endpoint failed (for 2 s with several
+        endpoints), so each retry reaches another member: one member down
+        must not stop a process from starting.
+        """
+        for _ in range(len(self.config.endpoints) - 1):
+            try:
+                return call()
+            except EtcdUnavailableError as exc:
+                log.warning("%s; trying the next endpoint", exc)
+        return call()
+
+    def _authenticate(self) -> None:
+        """Get an auth token for ``config.user``: at start, and again whenever etcd
+        stops accepting the one we hold (etcd restarted, the token expired, or
+        the users and roles changed)."""
+        assert self.config.user is not None and self.config.password is not None
+        request = etcdrpc.AuthenticateRequest(
+            name=self.config.user, password=self.config.password.get_secret_value()
         )
+
+        def call() -> str:
+            client = self._client
+            try:
+                return str(client.authstub.Authenticate(request, self._timeout).token)
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)  # marks an unreachable endpoint failed
+                raise
+
+        token = self._translate_once(f"authenticate user {self.config.user!r}", call)
+        # gRPC refuses to send call credentials over a plain channel ("does not
+        # have a sufficient security level"); the metadata carries the token there.
+        self._client.call_credentials = (
+            grpc.metadata_call_credentials(EtcdTokenCallCredentials(token))
+            if self.config.secure
+            else None
+        )
+        # Last: :meth:`_translate` takes a new metadata for "authenticated again".
+        self._client.metadata = (("token", token),)
 
     def close(self) -> None:
         """Close the gRPC channels. The client is unusable afterwards."""
@@ -321,6 +412,19 @@ class EtcdClient:
     # error translation --------------------------------------------------------
 
     def _translate(self, what: str, call: Callable[[], T]) -> T:
+        token = self._client.metadata
+        try:
+            return self._translate_once(what, call)
+        except _AuthTokenRejectedError as exc:
+            if self.config.user is None:
+                raise
+            with self._auth_lock:
+                if self._client.metadata == token:  # no other thread got a new one yet
+                    log.info("%s; authenticating again", exc)
+                    self._authenticate()
+            return self._translate_once(what, call)
+
+    def _translate_once(self, what: str, call: Callable[[], T]) -> T:
         try:
             return call()
         except EtcdError:
@@ -330,6 +434,10 @@ class EtcdClient:
             pyetcd_exc.ConnectionTimeoutError,
             pyetcd_exc.NoServerAvailableError,
         ) as exc:
+            # pyetcd raises these from inside its handler of the gRPC error,
+            # whose details say why (a refused TLS handshake, a refused port).
+            if isinstance(exc.__context__, grpc.RpcError):
+                raise self._from_rpc_error(what, exc.__context__) from exc
             raise EtcdUnavailableError(
                 f"etcd at {self._where} did not answer {what} within {self._timeout:g} s "
                 f"({type(exc).__name__})"
@@ -348,8 +456,15 @@ class EtcdClient:
         code = exc.code() if hasattr(exc, "code") else None
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         detail = detail or ""
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        if any(reason in detail for reason in _TOKEN_REJECTED):
+            return _AuthTokenRejectedError(f"etcd at {self._where} refused {what}: {detail}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or any(
+            reason in detail for reason in _AUTH_REFUSED
+        ):
             return EtcdAuthError(f"etcd at {self._where} refused {what}: {detail}")
+        tls = _tls_problem(detail, self.config) if code == grpc.StatusCode.UNAVAILABLE else None
+        if tls is not None:
+            return EtcdAuthError(f"etcd at {self._where}: {what} failed: {tls} ({detail})")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space" in detail:
             return EtcdNoSpaceError(f"etcd at {self._where} is out of space: {detail}")
         if "lease not found" in detail:
@@ -715,13 +830,16 @@ def create_client(config: EtcdConfig, *, probe: bool = True) -> EtcdClient:
 
     Raises:
         EtcdUnavailableError: no endpoint answered within the timeout.
-        EtcdAuthError: etcd refused the credentials.
+        EtcdAuthError: etcd refused the credentials: the user or password, or
+            the TLS handshake (no client certificate or one etcd does not
+            trust, a server certificate the CA does not verify or that does
+            not name the host); the message says which.
         EtcdError: the configuration is unusable (a certificate cannot be read).
     """
     client = EtcdClient(config)
     if probe:
         try:
-            client.status()
+            client._first_answer(client.status)
         except BaseException:
             client.close()
             raise

@@ -126,6 +126,7 @@ class Election:
     def leader(self) -> Leader | None:
         """The current leader of the election, or None if there is no candidate."""
         kvs, _ = self._client.get_prefix(self._prefix)
+        kvs = [kv for kv in kvs if kv.lease]  # see _predecessor
         if not kvs:
             return None
         first = min(kvs, key=lambda kv: kv.create_revision)
@@ -218,7 +219,9 @@ class Election:
             raise LeaseExpiredError(
                 f"election {self.name}: candidate key {self._key} vanished; its lease expired"
             )
-        ahead = [kv for kv in kvs if kv.create_revision < self._create_revision]
+        # A key without a lease is no candidate (only a stray write makes one:
+        # candidates always hold a lease); counting it would block everyone forever.
+        ahead = [kv for kv in kvs if kv.create_revision < self._create_revision and kv.lease]
         return max(ahead, key=lambda kv: kv.create_revision) if ahead else None
 
     def _wait_deleted(self, key: str, revision: int, deadline: float) -> None:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -28,6 +31,24 @@ from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
 from service.commands import register as register_job_commands
 from service.up import up_command
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def etcd_access_options(func: F) -> F:
+    """The flags that say how to reach a TLS- and password-protected etcd. The
+    password has no flag (a command line is visible to every local user): it
+    comes from TIDAL_ETCD_PASSWORD."""
+    path = click.Path(path_type=Path, dir_okay=False)
+    for option in reversed([
+        click.option("--etcd-ca-cert", type=path,
+                     help="CA bundle that signed etcd's certificate; turns TLS on."),
+        click.option("--etcd-cert", type=path, help="Client certificate for etcd (PEM)."),
+        click.option("--etcd-key", type=path, help="Key of the client certificate (PEM)."),
+        click.option("--etcd-user", help="etcd user (password from TIDAL_ETCD_PASSWORD)."),
+    ]):
+        func = option(func)
+    return func
 
 
 @click.group()
@@ -72,12 +93,41 @@ def etcd_command(data_dir: Path | None, port: int | None, binary: Path | None) -
 @cli.command("rdzv-clean")
 @click.argument("job")
 @click.option("--etcd", "endpoints", multiple=True, envvar="TIDAL_ETCD_ENDPOINTS",
-              default=["127.0.0.1:2379"], show_default=True, help="etcd endpoint(s) HOST:PORT.")
+              default=["127.0.0.1:2379"], show_default=True,
+              help="etcd endpoint(s) HOST:PORT[,HOST:PORT...].")
 @click.option("--etcd-root", default="/tidal", envvar="TIDAL_ETCD_ROOT", show_default=True)
-def rdzv_clean(job: str, endpoints: tuple[str, ...], etcd_root: str) -> None:
+@click.option("--etcd-ca-cert", type=click.Path(path_type=Path), envvar="TIDAL_ETCD_CA_CERT",
+              help="CA bundle that signed etcd's certificate; turns TLS on.")
+@click.option("--etcd-cert", type=click.Path(path_type=Path), envvar="TIDAL_ETCD_CERT",
+              help="Client certificate for etcd (PEM).")
+@click.option("--etcd-key", type=click.Path(path_type=Path), envvar="TIDAL_ETCD_KEY",
+              help="Key of the client certificate (PEM).")
+@click.option("--etcd-user", envvar="TIDAL_ETCD_USER",
+              help="etcd user with write access to the rendezvous prefix "
+              "(password from TIDAL_ETCD_PASSWORD).")
+def rdzv_clean(
+    job: str,
+    endpoints: tuple[str, ...],
+    etcd_root: str,
+    etcd_ca_cert: Path | None,
+    etcd_cert: Path | None,
+    etcd_key: Path | None,
+    etcd_user: str | None,
+) -> None:
     """Delete the rendezvous keys of JOB (state and store)."""
+    password = os.environ.get("TIDAL_ETCD_PASSWORD") if etcd_user else None
     try:
-        with create_client(EtcdConfig(endpoints=list(endpoints), root=etcd_root)) as client:
+        config = EtcdConfig(
+            # TIDAL_ETCD_ENDPOINTS is comma-separated, as for the agent and coordinator.
+            endpoints=[e.strip() for item in endpoints for e in item.split(",") if e.strip()],
+            root=etcd_root,
+            ca_cert=etcd_ca_cert,
+            cert_cert=etcd_cert,
+            cert_key=etcd_key,
+            user=etcd_user,
+            password=password,  # type: ignore[arg-type]  # pydantic wraps str in SecretStr
+        )
+        with create_client(config) as client:
             deleted = client.delete_prefix(client.keys.rdzv_prefix(job))
     except (EtcdError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -87,6 +137,7 @@ def rdzv_clean(job: str, endpoints: tuple[str, ...], etcd_root: str) -> None:
 @cli.command("agent")
 @click.option("--etcd", "etcd_endpoints", help="etcd endpoints HOST:PORT[,HOST:PORT...].")
 @click.option("--etcd-root", help="Key prefix (default /tidal).")
+@etcd_access_options
 @click.option("--node-id", help="This node's id (default: the hostname).")
 @click.option("--address", help="Address other nodes reach this one at.")
 @click.option("--slots", type=int, help="Worker processes this node may run.")
@@ -131,6 +182,7 @@ def agent_command(**flags: object) -> None:
 @cli.command("coordinator")
 @click.option("--etcd", "etcd_endpoints", help="etcd endpoints HOST:PORT[,HOST:PORT...].")
 @click.option("--etcd-root", help="Key prefix (default /tidal).")
+@etcd_access_options
 @click.option("--host", help="Address to serve the API on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port to serve the API on (default 8470; 0: any free).")
 @click.option("--token", help="API bearer token (prefer TIDAL_TOKEN or --token-file).")

@@ -49,8 +49,16 @@ class AgentCluster:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def start_agent(
-        self, node_id: str, *, lease_ttl_s: int = 3, metrics_port: int | None = None
+        self,
+        node_id: str,
+        *,
+        lease_ttl_s: int = 3,
+        metrics_port: int | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
+        """Start ``tidal agent`` for ``node_id``; ``extra`` flags are appended and
+        ``env`` (default: this process's) is its environment."""
         argv = [
             sys.executable, "-m", "service.cli", "agent",
             "--etcd", self.etcd_endpoint,
@@ -61,7 +69,8 @@ class AgentCluster:
         ]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port)]
-        proc = self.procs.spawn(argv, log_path=self.workdir / f"agent-{node_id}.log")
+        argv += extra
+        proc = self.procs.spawn(argv, log_path=self.workdir / f"agent-{node_id}.log", env=env)
         self.agents[node_id] = proc
         return proc
 

@@ -26,6 +26,8 @@ class CoordinatorProcess:
         procs: the test's process registry (kills it at teardown).
         name: tells replicas apart in file names.
         extra: more command-line flags.
+        env: the process's environment (default: this one's), e.g. to pass
+            TIDAL_ETCD_PASSWORD, which has no flag.
     """
 
     def __init__(
@@ -37,8 +39,10 @@ class CoordinatorProcess:
         procs: ProcessGroupRegistry,
         name: str = "coordinator",
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
+        self.env = env
         self.procs = procs
         self.log_path = workdir / f"{name}.log"
         self.token_file = workdir / "token"
@@ -60,7 +64,7 @@ class CoordinatorProcess:
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.process = self.procs.spawn(self.argv, log_path=self.log_path)
+        self.process = self.procs.spawn(self.argv, log_path=self.log_path, env=self.env)
 
         def url() -> str | None:
             assert self.process is not None

@@ -198,3 +198,18 @@ def test_a_paused_leader_process_gets_no_stale_write_accepted(
     finally:
         procs.signal_group(child, signal.SIGCONT)
         successor.resign()
+
+
+def test_a_stray_key_without_a_lease_does_not_block_the_election(
+    etcd_client: EtcdClient,
+) -> None:
+    stray = etcd_client.keys.election_prefix("coord") + "0000000000000001"
+    etcd_client.put(stray, b"left over by hand")
+    election = Election(etcd_client, "coord", value=b"real", ttl_s=2)
+    try:
+        election.campaign(timeout=5)
+        assert election.is_leader
+        leader = election.leader()
+        assert leader is not None and leader.value == b"real"
+    finally:
+        election.resign()
