@@ -4,6 +4,9 @@
 set -euo pipefail
 need=()
 command -v etcd >/dev/null 2>&1 && etcd --version 2>/dev/null | grep -q "etcd Version: 3.4" || need+=(etcd-server)
+# The metrics tests scrape a running tidal with a real Prometheus and check
+# deploy/prometheus/ with promtool; Debian's package ships both binaries.
+{ command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; } || need+=(prometheus)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -11,8 +14,16 @@ echo "installing Debian packages: ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q >/dev/null || $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
-# Debian starts the etcd service on install; tidal starts its own etcd on free
-# ports, so stop the system one where a service manager runs it.
-if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then
-  $SUDO systemctl stop etcd || true
+# Debian starts the etcd and prometheus services on install; tidal starts its
+# own etcd and Prometheus on free ports, so stop the system ones where a
+# service manager runs them.
+if command -v systemctl >/dev/null 2>&1; then
+  for unit in etcd prometheus; do
+    if systemctl is-active --quiet "$unit" 2>/dev/null; then
+      $SUDO systemctl stop "$unit" || true
+    fi
+  done
 fi
+for tool in prometheus promtool; do
+  command -v "$tool" >/dev/null 2>&1 || { echo "$tool is not on PATH after installing prometheus" >&2; exit 1; }
+done

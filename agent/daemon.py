@@ -32,7 +32,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import EXIT_STOPPED, RunnerSpec
 from rendezvous.client import EtcdClient, WatchEvent, create_client
@@ -92,7 +92,10 @@ class Agent:
             return
         registry = CollectorRegistry()
         self.metrics = AgentMetrics(registry, slots=self.settings.slots)
-        registry.register(JobStatusCollector(client, self.settings.node_id, self._job_ids))
+        registry.register(JobStatusCollector(
+            client, self.settings.node_id, self._job_ids,
+            run_dir=self.settings.run_dir, extra_restarts=self.metrics.restarts,
+        ))
         server, _ = self.metrics.serve(port)
         self.metrics_port = int(server.server_port)
         log.info("metrics on :%d/metrics", self.metrics_port)
@@ -182,6 +185,8 @@ class Agent:
         for job_id, runner in list(self.state.runners.items()):
             wanted = desired.get(job_id)
             if wanted is None or wanted.generation != runner.assignment.generation:
+                if wanted is not None and self.metrics is not None and runner.stop_deadline is None:
+                    self.metrics.count_restart(job_id, SCALED)  # only bounds change a generation
                 self._stop_runner(job_id, runner)
         for job_id, assignment in desired.items():
             if job_id in self.state.runners:
@@ -220,6 +225,7 @@ class Agent:
             etcd=self.settings.etcd_config(),
             job_dir=job_dir.resolve(),
             parent_pid=os.getpid(),
+            log_max_bytes=self.settings.log_max_bytes,
         )
         spec_path = job_dir / "runner-spec.json"
         spec_path.write_text(spec.model_dump_json())

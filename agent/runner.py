@@ -44,9 +44,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
+from agent.elastic_metrics import configure_elastic_metrics
 from agent.lifeline import die_with_parent
+from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
-from agent.status import StatusReporter
+from agent.status import RUNNER_METRICS_FILE, StatusReporter
 from rendezvous.client import create_client
 from rendezvous.records import (
     JobNodeState,
@@ -175,6 +177,11 @@ class TidalElasticAgent(LocalElasticAgent):
             remaining_restarts=self._budget,
         )
 
+    def _notice_recovery(self) -> None:
+        """A failure or membership change is noticed: the recovery clock starts."""
+        restarts = self._worker_group.spec.max_restarts - self._remaining_restarts
+        self._reporter.recovery_noticed(restart_count=restarts)
+
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
@@ -185,10 +192,13 @@ class TidalElasticAgent(LocalElasticAgent):
             result: RunResult = self._monitor_workers(self._worker_group)
             self._worker_group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
+                self._reporter.count_exits([0] * spec.local_world_size)
                 self._exit_barrier()  # type: ignore[no-untyped-call]
                 return result
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
+                self._notice_recovery()
+                self._reporter.count_exits(f.exitcode for f in result.failures.values())
                 self._reporter.update(error=root_cause(result.failures, stderrs))
                 self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
                 self._stop_workers(self._worker_group)
@@ -211,6 +221,7 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._start_group()
             elif spec.rdzv_handler.num_nodes_waiting() > 0:
                 log.info("nodes are waiting to join: restarting with them")
+                self._notice_recovery()
                 self._stop_timeout_s = self._grace_s
                 self._remaining_restarts -= 1
                 self._restart_workers(self._worker_group)
@@ -242,6 +253,7 @@ class TidalElasticAgent(LocalElasticAgent):
         if not lost:
             return members
         log.warning("%d peer(s) stopped heartbeating: restarting without them", len(lost))
+        self._notice_recovery()
         self._reporter.count_restart(RestartReason.NODE_LOST)
         self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
         self._remaining_restarts -= 1
@@ -294,7 +306,9 @@ def run(spec: RunnerSpec) -> int:
             pid=os.getpid(),
         ),
         progress_dir=progress_dir,
+        metrics_path=spec.job_dir / RUNNER_METRICS_FILE,
     ).start()
+    configure_elastic_metrics(reporter.recorder)
     params = RendezvousParameters(
         backend="etcd-v3",
         endpoint=",".join(spec.etcd.endpoints),
@@ -324,6 +338,7 @@ def run(spec: RunnerSpec) -> int:
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),
     )
+    cap = LogCap(spec.job_dir / "logs", max_bytes=spec.log_max_bytes).start()
     try:
         result = agent.run()
     except SignalException as exc:
@@ -332,6 +347,7 @@ def run(spec: RunnerSpec) -> int:
         reporter.update(state=JobNodeState.CANCELLED)
         return EXIT_STOPPED
     finally:
+        cap.close()
         reporter.close()
     if result.is_failed():
         reporter.update(state=JobNodeState.FAILED)

@@ -1,4 +1,4 @@
-"""Report what this node does for a job into etcd, on change and at most ~1/s.
+"""Report what this node does for a job: the status record in etcd and the metrics file.
 
 The job runner calls :meth:`StatusReporter.update` at every transition
 (starting, running, restarting, ...) and a background thread folds in the
@@ -6,16 +6,39 @@ workers' progress (step, last checkpoint) from the status files the
 checkpoints library writes into ``TIDAL_PROGRESS_DIR``. A write happens only
 when something changed, and no more often than ``min_interval_s``; terminal
 states are written at once. The coordinator reads ``status/<job>/<node>``.
+
+The same thread keeps ``<job dir>/metrics.json`` (:class:`RunnerMetrics`) up
+to date: the runner's counters since it started (restarts by reason, worker
+exits by code, recovery durations, torch elastic's own metrics). The agent
+daemon reads those files at scrape time and sums them over the job's
+generations (:mod:`agent.metrics`), so its counters keep counting when a new
+generation's runner replaces the old one. The file is live data, not durable
+state: written through a temporary file and a rename, never fsynced. It lives
+beside the etcd record rather than in it because nothing but this node's
+agent needs it, and the coordinator parses every status record on each pass.
+
+A *recovery* is measured from the moment the runner notices a failure or a
+membership change (:meth:`StatusReporter.recovery_noticed`) to the first step
+completed by the workers it then starts: their progress reports carry a higher
+``restart_count`` and the time of their first step (``first_step_time``), so
+the figure does not depend on how often this thread polls.
+
+This module must not import torch: the agent daemon reads the files with it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdError
@@ -23,35 +46,331 @@ from rendezvous.records import JobNodeState, JobNodeStatus, utcnow
 
 log = logging.getLogger(__name__)
 
+RUNNER_METRICS_FILE = "metrics.json"
 
-def read_progress(progress_dir: Path) -> dict[str, int | None]:
-    """The newest step and checkpoint step over every rank's progress file.
+# Recovery: gloo noticing a dead peer, the rendezvous (keep-alive x attempts),
+# starting Python and torch, restoring a checkpoint: seconds to many minutes.
+RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+                    180.0, 300.0, 600.0, 1200.0)
+# torch elastic's profiled calls: a monitor tick (~1 ms) to a rendezvous that
+# waits for its minimum number of nodes (minutes).
+ELASTIC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Names come from torch's code, so they are few; the cap guards the label set
+# against a torch release that builds names from data.
+MAX_ELASTIC_NAMES = 64
 
-    Files that are missing, half-written or not JSON are skipped: the workers
-    write them atomically, but a rank may not have written one yet.
+
+# worker progress ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProgressSummary:
+    """What one node's workers of a job last reported, over their progress files.
+
+    ``step``, ``samples_per_second``, ``loss``, ``progress_time`` and
+    ``first_step_time`` come from the newest round only (the files with the
+    highest ``restart_count``: after a restart, files of ranks that no longer
+    exist here stay behind); the checkpoint fields from the newest checkpoint
+    any file names. ``samples_per_second`` is the job's global rate as one rank
+    measures it (the largest of this node's ranks); ``loss`` is the mean of
+    this node's ranks' last losses.
     """
+
     step: int | None = None
-    ckpt: int | None = None
+    samples_per_second: float | None = None
+    loss: float | None = None
+    progress_time: float | None = None
+    first_step_time: float | None = None
+    restart_count: int | None = None
+    world_size: int | None = None
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None
+    last_save_seconds: float | None = None
+    last_stall_seconds: float | None = None
+    save_failing: bool = False
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's progress report in ``progress_dir``, as dicts.
+
+    Files that are missing, half-written or not JSON objects are skipped: the
+    workers write them atomically, but a rank may not have written one yet.
+    """
+    reports = []
     for path in progress_dir.glob("rank-*.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data.get("step"), int):
-            step = max(step or 0, data["step"])
-        last = data.get("last_checkpoint_step")
-        if isinstance(last, int):
-            ckpt = max(ckpt or 0, last)
-    return {"last_step": step, "last_checkpoint_step": ckpt}
+        if isinstance(data, dict):
+            reports.append(data)
+    return reports
+
+
+def _round(report: Mapping[str, Any]) -> int:
+    count = _integer(report.get("restart_count"))
+    return -1 if count is None else count
+
+
+def summarize_progress(reports: Iterable[Mapping[str, Any]]) -> ProgressSummary:
+    """Fold rank reports into one :class:`ProgressSummary` (see there for the rules)."""
+    every = list(reports)
+    if not every:
+        return ProgressSummary()
+    newest = max(_round(r) for r in every)
+    current = [r for r in every if _round(r) == newest]
+    steps = [s for r in current if (s := _integer(r.get("step"))) is not None]
+    rates = [v for r in current if (v := _number(r.get("samples_per_second"))) is not None]
+    losses = [v for r in current if (v := _number(r.get("loss"))) is not None]
+    times = [v for r in current if (v := _number(r.get("time"))) is not None]
+    firsts = [v for r in current if (v := _number(r.get("first_step_time"))) is not None]
+    sizes = [v for r in current if (v := _integer(r.get("world_size"))) is not None]
+    saved = [r for r in every if _number(r.get("last_checkpoint_time")) is not None
+             or _integer(r.get("last_checkpoint_step")) is not None]
+    latest = max(saved, key=lambda r: (_number(r.get("last_checkpoint_time")) or 0.0,
+                                       _integer(r.get("last_checkpoint_step")) or 0),
+                 default=None)
+    return ProgressSummary(
+        step=max(steps, default=None),
+        samples_per_second=max(rates, default=None),
+        loss=sum(losses) / len(losses) if losses else None,
+        progress_time=max(times, default=None),
+        first_step_time=min(firsts, default=None),
+        restart_count=None if newest < 0 else newest,
+        world_size=max(sizes, default=None),
+        last_checkpoint_step=_integer(latest.get("last_checkpoint_step")) if latest else None,
+        last_checkpoint_time=_number(latest.get("last_checkpoint_time")) if latest else None,
+        last_save_seconds=_number(latest.get("last_save_seconds")) if latest else None,
+        last_stall_seconds=_number(latest.get("last_stall_seconds")) if latest else None,
+        save_failing=any(bool(r.get("last_save_error")) for r in current),
+    )
+
+
+def read_progress(progress_dir: Path) -> dict[str, int | None]:
+    """The workers' newest step and the newest checkpoint step in ``progress_dir``."""
+    summary = summarize_progress(read_progress_reports(progress_dir))
+    return {"last_step": summary.step, "last_checkpoint_step": summary.last_checkpoint_step}
+
+
+# the runner's metrics file -----------------------------------------------------------
+
+
+class HistogramData(BaseModel):
+    """A histogram's state: per-bucket counts (not cumulative) and the sum.
+
+    ``counts`` has one entry per bound plus one for values above every bound.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: Iterable[float]) -> HistogramData:
+        edges = sorted(float(b) for b in bounds)
+        return cls(bounds=edges, counts=[0] * (len(edges) + 1))
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound),
+                     len(self.bounds))
+        self.counts[index] += 1
+        self.sum += value
+
+    def merged(self, other: HistogramData) -> HistogramData:
+        """The sum of two histograms with the same bounds.
+
+        Raises:
+            ValueError: the bounds differ (files written by another tidal version).
+        """
+        if other.bounds != self.bounds or len(other.counts) != len(self.counts):
+            raise ValueError(f"histogram bounds differ: {self.bounds} and {other.bounds}")
+        return HistogramData(
+            bounds=list(self.bounds),
+            counts=[a + b for a, b in zip(self.counts, other.counts, strict=True)],
+            sum=self.sum + other.sum,
+        )
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: ``(le, cumulative count)``, ending with ``+Inf``."""
+        out = []
+        running = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            running += count
+            out.append((repr(float(bound)), float(running)))
+        out.append(("+Inf", float(self.count)))
+        return out
+
+
+class ElasticCall(BaseModel):
+    """One of torch elastic's profiled calls (``@prof``): outcomes and durations."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    success: int = 0
+    failure: int = 0
+    duration_seconds: HistogramData = Field(
+        default_factory=lambda: HistogramData.empty(ELASTIC_BUCKETS)
+    )
+
+
+class RunnerMetrics(BaseModel):
+    """What one runner writes to ``<job dir>/metrics.json``: its counters since it started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["tidal-runner-metrics"] = "tidal-runner-metrics"
+    version: Literal[1] = 1
+    job_id: str
+    node_id: str
+    generation: int
+    pid: int
+    updated_at: float = 0.0
+    restarts: dict[str, int] = Field(default_factory=dict)
+    worker_exits: dict[str, int] = Field(default_factory=dict)
+    recovery_seconds: dict[str, HistogramData] = Field(default_factory=dict)
+    elastic_calls: dict[str, ElasticCall] = Field(default_factory=dict)
+    elastic_values: dict[str, float] = Field(default_factory=dict)
+
+
+def read_runner_metrics(path: Path) -> RunnerMetrics | None:
+    """The metrics file at ``path``, or None if it is missing or unreadable."""
+    try:
+        return RunnerMetrics.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        log.warning("ignoring the unreadable runner metrics file %s: %s", path, exc)
+        return None
+
+
+def elastic_call_name(metric: str) -> tuple[str, str] | None:
+    """Split a ``@prof`` metric name into (call, kind), or None for a plain metric.
+
+    ``SimpleElasticAgent._rendezvous.duration.ms`` -> ``("rendezvous", "duration.ms")``.
+    """
+    for kind in ("duration.ms", "success", "failure"):
+        suffix = "." + kind
+        if metric.endswith(suffix):
+            qualname = metric[: -len(suffix)]
+            return qualname.rsplit(".", 1)[-1].lstrip("_") or qualname, kind
+    return None
+
+
+class RunnerMetricsRecorder:
+    """The runner's counters, updated from any thread; :meth:`snapshot` is what gets written.
+
+    Args:
+        job_id, node_id, generation: what the runner runs.
+        pid: the runner's process id.
+    """
+
+    def __init__(self, *, job_id: str, node_id: str, generation: int, pid: int) -> None:
+        self._lock = threading.Lock()
+        self._data = RunnerMetrics(job_id=job_id, node_id=node_id, generation=generation, pid=pid)
+        self._version = 0
+        self._warned = False
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the counters change."""
+        with self._lock:
+            return self._version
+
+    def count_restart(self, reason: str) -> None:
+        with self._lock:
+            self._data.restarts[reason] = self._data.restarts.get(reason, 0) + 1
+            self._version += 1
+
+    def count_exits(self, codes: Iterable[int]) -> None:
+        """Count worker processes that exited with these codes (negative: a signal)."""
+        with self._lock:
+            for code in codes:
+                key = str(int(code))
+                self._data.worker_exits[key] = self._data.worker_exits.get(key, 0) + 1
+                self._version += 1
+
+    def observe_recovery(self, reason: str, seconds: float) -> None:
+        with self._lock:
+            hist = self._data.recovery_seconds.setdefault(
+                reason, HistogramData.empty(RECOVERY_BUCKETS)
+            )
+            hist.observe(seconds)
+            self._version += 1
+
+    def observe_elastic(self, name: str, value: float) -> None:
+        """Record one of torch elastic's ``put_metric`` values (durations in ms)."""
+        parsed = elastic_call_name(name)
+        with self._lock:
+            data = self._data
+            key = parsed[0] if parsed else name
+            known = data.elastic_calls if parsed else data.elastic_values
+            if key not in known and len(data.elastic_calls) + len(data.elastic_values) >= (
+                MAX_ELASTIC_NAMES
+            ):
+                if not self._warned:
+                    log.warning("more than %d torch elastic metric names; ignoring %s",
+                                MAX_ELASTIC_NAMES, name)
+                    self._warned = True
+                return
+            if parsed is None:
+                data.elastic_values[name] = float(value)
+            else:
+                call = data.elastic_calls.setdefault(key, ElasticCall())
+                if parsed[1] == "duration.ms":
+                    call.duration_seconds.observe(float(value) / 1000.0)
+                elif parsed[1] == "success":
+                    call.success += 1
+                else:
+                    call.failure += 1
+            self._version += 1
+
+    def snapshot(self) -> RunnerMetrics:
+        with self._lock:
+            return self._data.model_copy(deep=True, update={"updated_at": time.time()})
+
+
+def write_runner_metrics(path: Path, metrics: RunnerMetrics) -> None:
+    """Replace ``path`` with ``metrics`` through a temporary file (readers never see half)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(metrics.model_dump_json(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# the reporter ------------------------------------------------------------------------
+
+
+@dataclass
+class _Recovery:
+    started: float  # Unix time the runner noticed the failure or membership change
+    baseline: int  # restart count of the workers that were running then
+    reason: str | None = None  # set by the restart it leads to
 
 
 class StatusReporter:
-    """Writes one :class:`JobNodeStatus` record, throttled, from a thread.
+    """Writes one :class:`JobNodeStatus` record, throttled, and the metrics file, from a thread.
 
     Args:
         client: the runner's etcd client.
         status: the initial record (job, node, generation, state).
         progress_dir: where the workers' progress files are, if any.
+        metrics_path: where to keep the runner's :class:`RunnerMetrics`, if anywhere.
         min_interval_s: least time between two writes of non-terminal states.
     """
 
@@ -61,18 +380,26 @@ class StatusReporter:
         status: JobNodeStatus,
         *,
         progress_dir: Path | None = None,
+        metrics_path: Path | None = None,
         min_interval_s: float = 1.0,
     ) -> None:
         self._client = client
         self._key = client.keys.status(status.job_id, status.node_id)
         self._status = status
         self._progress_dir = progress_dir
+        self._metrics_path = metrics_path
         self._min_interval_s = min_interval_s
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._written: dict[str, Any] | None = None
         self._last_write = 0.0
+        self._recovery: _Recovery | None = None
+        self._metrics_written = -1
+        self.recorder = RunnerMetricsRecorder(
+            job_id=status.job_id, node_id=status.node_id, generation=status.generation,
+            pid=os.getpid(),
+        )
         self._thread = threading.Thread(target=self._run, name="status reporter", daemon=True)
 
     @property
@@ -82,6 +409,7 @@ class StatusReporter:
 
     def start(self) -> StatusReporter:
         self._write()
+        self._write_metrics()
         self._thread.start()
         return self
 
@@ -107,6 +435,29 @@ class StatusReporter:
                     "state": JobNodeState.RESTARTING,
                 }
             )
+            if self._recovery is not None and self._recovery.reason is None:
+                self._recovery.reason = str(getattr(reason, "value", reason))
+        self.recorder.count_restart(str(getattr(reason, "value", reason)))
+        self._dirty.set()
+
+    def recovery_noticed(self, *, restart_count: int) -> None:
+        """The runner noticed a failure or a membership change; a recovery starts now.
+
+        Args:
+            restart_count: ``TORCHELASTIC_RESTART_COUNT`` of the workers running
+                now; the recovery ends at the first step of workers with a higher one.
+
+        A second notice before the workers resumed extends the same recovery.
+        """
+        with self._lock:
+            if self._recovery is None:
+                self._recovery = _Recovery(started=time.time(), baseline=restart_count)
+            else:
+                self._recovery.baseline = max(self._recovery.baseline, restart_count)
+
+    def count_exits(self, codes: Iterable[int]) -> None:
+        """Count worker processes that exited with these codes."""
+        self.recorder.count_exits(codes)
         self._dirty.set()
 
     def close(self) -> None:
@@ -116,6 +467,7 @@ class StatusReporter:
         if self._thread.is_alive():
             self._thread.join(timeout=self._client.config.timeout_s + 2)
         self._write()
+        self._write_metrics()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -127,11 +479,49 @@ class StatusReporter:
                 return
             self._dirty.clear()
             if self._progress_dir is not None:
-                progress = read_progress(self._progress_dir)
+                reports = read_progress_reports(self._progress_dir)
+                summary = summarize_progress(reports)
+                self._finish_recovery(reports)
+                progress = {"last_step": summary.step,
+                            "last_checkpoint_step": summary.last_checkpoint_step}
                 with self._lock:
                     changed = {k: v for k, v in progress.items() if v is not None}
                     self._status = self._status.model_copy(update=changed)
             self._write()
+            self._write_metrics()
+
+    def _finish_recovery(self, reports: list[dict[str, Any]]) -> None:
+        """End the pending recovery at the first step of the workers started for it."""
+        with self._lock:
+            recovery = self._recovery
+            if recovery is None or recovery.reason is None:
+                return
+            firsts = [
+                t for r in reports
+                if _round(r) > recovery.baseline
+                and (t := _number(r.get("first_step_time"))) is not None
+            ]
+            if not firsts:
+                return
+            seconds = max(0.0, min(firsts) - recovery.started)
+            self._recovery = None
+            self._status = self._status.model_copy(update={"last_recovery_seconds": seconds})
+        log.info("recovered from %s in %.2f s (first step of the new workers)",
+                 recovery.reason, seconds)
+        self.recorder.observe_recovery(recovery.reason, seconds)
+
+    def _write_metrics(self) -> None:
+        if self._metrics_path is None:
+            return
+        version = self.recorder.version
+        if version == self._metrics_written:
+            return
+        try:
+            write_runner_metrics(self._metrics_path, self.recorder.snapshot())
+        except OSError as exc:
+            log.warning("could not write %s: %s", self._metrics_path, exc)
+            return
+        self._metrics_written = version
 
     def _write(self) -> None:
         with self._lock:

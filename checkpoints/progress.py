@@ -52,6 +52,7 @@ PROGRESS_FIELDS = (
     "pid",
     "restart_count",
     "time",
+    "first_step_time",
     "step",
     "samples_per_second",
     "loss",
@@ -148,6 +149,9 @@ class FileProgressReporter(ProgressReporter):
             "restart_count": restart_count,
         }
         self._step: int | None = None
+        # When this process completed its first step: the agent measures a
+        # recovery as "failure noticed -> first step of the new workers".
+        self._first_step_time: float | None = None
         self._loss: Any = None
         self._samples = 0
         self._window_start = time.monotonic()
@@ -164,6 +168,8 @@ class FileProgressReporter(ProgressReporter):
     def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
         """Remember this step; write the file if the interval has passed."""
         self._step = step
+        if self._first_step_time is None:
+            self._first_step_time = time.time()
         if loss is not None:
             self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         if samples:
@@ -206,6 +212,7 @@ class FileProgressReporter(ProgressReporter):
         body: dict[str, Any] = dict(self._fixed)
         body.update(
             time=time.time(),
+            first_step_time=self._first_step_time,
             step=self._step,
             samples_per_second=self._rate,
             loss=float(loss) if isinstance(loss, int | float) else None,

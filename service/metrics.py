@@ -1,27 +1,57 @@
 """The coordinator's Prometheus metrics, on an injected registry.
 
 Counters and histograms are updated by the code that does the work (the API
-middleware, the reconcile loop); jobs and nodes by state are read at scrape
-time from the reconcile loop's last snapshot by :class:`ClusterCollector`, so
-every replica exports the same picture without double counting. Labels are
-bounded: routes are templates (``/v1/jobs/{job_id}``), never raw paths;
-phases and states are enums.
+middleware, the reconcile loop); jobs and nodes by state, and each active
+job's nodes, bounds and restarts, are read at scrape time from the reconcile
+loop's last snapshot by :class:`ClusterCollector`, so nothing is kept twice.
+Labels are bounded: routes are templates (``/v1/jobs/{job_id}``), never raw
+paths; phases, states and reasons are enums; per-job series exist only for
+jobs that have not finished (the label is ``job_id``: Prometheus reserves
+``job`` for the scrape job). docs/metrics.md lists every metric; a unit test
+checks it against this module.
+
+A node that disappears is *lost* when it still ran work: a runner of a job it
+was assigned had not reported stopping. An agent that stops cleanly (SIGTERM,
+drain) first has its runners report ``cancelled``; one that dies (SIGKILL, a
+crashed machine, a partition) leaves them ``running``. etcd shows both as the
+same delete of a leased key, so the leader tells them apart from the first
+snapshot taken after the delete, which holds the runners' last reports.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.models import JobPhase
+from rendezvous.records import JobNodeStatus
+from service.models import EventReason, JobPhase
 from service.store import Snapshot
 
 # Durations from a millisecond (an API call) to minutes (a reconcile pass under load).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# The reasons the scheduler restarts a job for (JobRecord.restarts); each active
+# job's counter starts at zero for every one, so increase() sees the first.
+JOB_RESTART_REASONS = (EventReason.NODE_LOST, EventReason.NODE_JOINED, EventReason.NODE_DRAINED,
+                       EventReason.SCALED_BY_USER)
+# Departures waiting for a snapshot to classify them (a non-leader never takes one).
+MAX_PENDING_DEPARTURES = 1024
+
+
+def _ran_work(node_id: str, assigned: dict[str, int], snap: Snapshot) -> bool:
+    """Whether a departed node still ran work: a runner of its assignments had not stopped."""
+    for job_id, generation in assigned.items():
+        record = snap.view.jobs.get(job_id)
+        if record is None or record.phase.is_terminal():
+            continue
+        status: JobNodeStatus | None = snap.view.statuses.get(job_id, {}).get(node_id)
+        if status is None or status.generation < generation or not status.state.is_terminal():
+            return True
+    return False
 
 
 class CoordinatorMetrics:
@@ -62,8 +92,42 @@ class CoordinatorMetrics:
             "Node records that disappeared (lease expired or agent stopped).",
             registry=registry,
         )
+        self.nodes_lost = Counter(
+            "tidal_coordinator_nodes_lost_total",
+            "Departed nodes that still ran work for a job (died rather than stopped); "
+            "counted by the leader.",
+            registry=registry,
+        )
         for action in ("assign", "release"):
             self.decisions.labels(action=action)
+        self._lock = threading.Lock()
+        self._assigned: dict[str, dict[str, int]] = {}  # node -> job -> generation, last pass
+        self._pending: dict[str, tuple[int, dict[str, int]]] = {}  # node -> (delete rev, assigned)
+
+    def node_departed(self, node_id: str, revision: int) -> None:
+        """A node record was deleted at ``revision``: count it; classify it at the next pass."""
+        self.node_departures.inc()
+        with self._lock:
+            self._pending[node_id] = (revision, dict(self._assigned.get(node_id, {})))
+            while len(self._pending) > MAX_PENDING_DEPARTURES:
+                self._pending.pop(next(iter(self._pending)))
+
+    def observe_snapshot(self, snap: Snapshot) -> None:
+        """Classify the departures this snapshot follows; remember who runs what."""
+        view = snap.view
+        with self._lock:
+            for node_id, (revision, assigned) in list(self._pending.items()):
+                if snap.revision < revision:
+                    continue  # taken before the delete: wait for the next one
+                del self._pending[node_id]
+                if _ran_work(node_id, assigned, snap):
+                    self.nodes_lost.inc()
+            assigned_now: dict[str, dict[str, int]] = {}
+            for job_id, per_node in view.assignments.items():
+                for node_id, assignment in per_node.items():
+                    if node_id in view.nodes:
+                        assigned_now.setdefault(node_id, {})[job_id] = assignment.generation
+            self._assigned = assigned_now
 
 
 class ClusterCollector(Collector):
@@ -76,7 +140,7 @@ class ClusterCollector(Collector):
     def __init__(self, snapshot: Callable[[], Snapshot | None]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         jobs = GaugeMetricFamily("tidal_coordinator_jobs", "Jobs by phase.", labels=["phase"])
         nodes = GaugeMetricFamily(
             "tidal_coordinator_nodes", "Registered nodes by state.", labels=["state"]
@@ -100,6 +164,48 @@ class ClusterCollector(Collector):
                        for a in per_job.values())
             slots.add_metric(["total"], total)
             slots.add_metric(["used"], used)
-        yield jobs
-        yield nodes
-        yield slots
+        yield from (jobs, nodes, slots)
+        yield from _per_job(snap)
+
+
+def _per_job(snap: Snapshot | None) -> list[Metric]:
+    """Each unfinished job's phase, nodes, bounds and scheduler restarts."""
+    job = ["job_id"]
+    job_phase = GaugeMetricFamily(
+        "tidal_coordinator_job_phase", "1 for the phase each unfinished job is in.",
+        labels=["job_id", "phase"],
+    )
+    job_nodes = GaugeMetricFamily(
+        "tidal_coordinator_job_nodes", "Nodes assigned to each unfinished job.", labels=job
+    )
+    job_min = GaugeMetricFamily(
+        "tidal_coordinator_job_min_nodes", "Each unfinished job's minimum number of nodes.",
+        labels=job,
+    )
+    job_max = GaugeMetricFamily(
+        "tidal_coordinator_job_max_nodes", "Each unfinished job's maximum number of nodes.",
+        labels=job,
+    )
+    job_restarts = CounterMetricFamily(
+        "tidal_coordinator_job_restarts",
+        "Restarts the scheduler caused in each unfinished job (membership changes), by "
+        "reason; worker failures are counted by the agents.",
+        labels=["job_id", "reason"],
+    )
+    if snap is not None:
+        for record in snap.view.jobs.values():
+            if record.phase.is_terminal():
+                continue
+            job_id = record.job_id
+            for phase in JobPhase:
+                if not phase.is_terminal():
+                    job_phase.add_metric([job_id, phase.value],
+                                         1.0 if record.phase == phase else 0.0)
+            job_nodes.add_metric([job_id], len(snap.view.assignments.get(job_id, {})))
+            job_min.add_metric([job_id], record.spec.min_nodes)
+            job_max.add_metric([job_id], record.spec.max_nodes)
+            restarts = dict.fromkeys((r.value for r in JOB_RESTART_REASONS), 0)
+            restarts.update(record.restarts)
+            for reason, count in sorted(restarts.items()):
+                job_restarts.add_metric([job_id, reason], count)
+    return [job_phase, job_nodes, job_min, job_max, job_restarts]

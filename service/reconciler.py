@@ -96,8 +96,9 @@ class Reconciler:
         self._wake.set()
 
     def _on_event(self, event: WatchEvent) -> None:
-        if event.kind == "delete" and event.key.startswith(self.store.keys.nodes_prefix()):
-            self.metrics.node_departures.inc()
+        prefix = self.store.keys.nodes_prefix()
+        if event.kind == "delete" and event.key.startswith(prefix):
+            self.metrics.node_departed(event.key.removeprefix(prefix), event.mod_revision)
         self._wake.set()
 
     # leadership ------------------------------------------------------------------------
@@ -169,6 +170,7 @@ class Reconciler:
         started = time.perf_counter()
         snap = self.store.snapshot()
         self.last_snapshot = snap
+        self.metrics.observe_snapshot(snap)
         changes = plan(snap.view, datetime.now(timezone.utc))
         written = 0
         for change in changes:

@@ -26,6 +26,8 @@ The state directory::
     STATE/logs/          etcd.log, coordinator.log, node-<i>.log
     STATE/run/node-<i>/  each agent's run directory (its jobs' worker logs)
     STATE/checkpoints/   the default checkpoint root
+    STATE/prometheus/    with --prometheus: its configuration, agent targets and data
+                         (service/prometheus.py); its output in STATE/logs/prometheus.log
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import httpx
 
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
+from service.prometheus import LocalPrometheus, PrometheusError, target_of
 
 log = logging.getLogger(__name__)
 
@@ -662,7 +665,7 @@ def _example_submit(cluster: LocalCluster) -> str:
     )
 
 
-def _announce(cluster: LocalCluster) -> None:
+def _announce(cluster: LocalCluster, prometheus: LocalPrometheus | None = None) -> None:
     nodes = ", ".join(cluster.node_ids) or "none"
     click.echo(f"tidal is up: coordinator at {cluster.url}, node(s) {nodes}")
     click.echo(f"  API token:  {cluster.token_file}")
@@ -670,6 +673,9 @@ def _announce(cluster: LocalCluster) -> None:
     click.echo(f"  logs:       {cluster.logs_dir}/ (etcd, coordinator, node-<i>); "
                f"workers' logs under {cluster.run_root}/<node>/jobs/")
     click.echo(f"  state:      {cluster.cluster_file}")
+    if prometheus is not None:
+        click.echo(f"  prometheus: {prometheus.url} (scrapes the coordinator and every agent; "
+                   f"log {prometheus.log_path})")
     click.echo("Submit a job:")
     click.echo(f"  {_example_submit(cluster)}")
     click.echo("Ctrl-C stops everything.")
@@ -689,12 +695,16 @@ def _announce(cluster: LocalCluster) -> None:
               "(default: STATE/checkpoints).")
 @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=1), default=60.0,
               show_default=True, help="Seconds to wait for the cluster to be ready.")
+@click.option("--prometheus", "with_prometheus", is_flag=True, default=False,
+              help="Also run a local Prometheus (the `prometheus` binary on PATH) scraping the "
+              "coordinator and every agent, with tidal's alerting rules; prints its URL.")
 def up_command(
     agent_count: int,
     state_dir: Path | None,
     workdir_root: Path | None,
     checkpoint_root: Path | None,
     ready_timeout_s: float,
+    with_prometheus: bool,
 ) -> None:
     """Run etcd, a coordinator and node agents on this machine until interrupted.
 
@@ -710,7 +720,12 @@ def up_command(
             token=os.environ.get("TIDAL_TOKEN") or None,
             ready_timeout_s=ready_timeout_s,
         )
-    except ValueError as exc:
+        prometheus = LocalPrometheus(
+            directory=cluster.state_dir / "prometheus",
+            log_path=cluster.logs_dir / "prometheus.log",
+            ready_timeout_s=ready_timeout_s,
+        ) if with_prometheus else None
+    except (ValueError, PrometheusError) as exc:
         raise click.ClickException(str(exc)) from exc
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
     stop = threading.Event()
@@ -725,18 +740,23 @@ def up_command(
     failure: str | None = None
     try:
         cluster.start(cancel=stop)
-        _announce(cluster)
+        if prometheus is not None:
+            agents = [f"127.0.0.1:{a['metrics_port']}" for a in cluster.describe()["agents"]]
+            prometheus.start(coordinator=target_of(cluster.url), agents=agents)
+        _announce(cluster, prometheus)
         while failure is None and not stop.wait(0.5):
             failure = _report_exits(cluster.check())
     except StartCancelledError:
         pass  # stopped by a signal while starting: not an error
-    except ClusterError as exc:
+    except (ClusterError, PrometheusError) as exc:
         failure = str(exc)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # the stop below is bounded; let it finish
         if received:
             click.echo(f"{received[0]}: stopping everything", err=True)
+        if prometheus is not None:
+            prometheus.stop()
         cluster.stop()
     if failure is not None:
         raise click.ClickException(failure)

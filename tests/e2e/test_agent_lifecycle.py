@@ -59,8 +59,8 @@ def test_cancel_stops_every_worker_within_the_grace_period(
     page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
     assert page.status_code == 200
     assert "tidal_agent_up 1.0" in page.text
-    assert 'tidal_agent_job_world_size{job="cancel-me"} 1.0' in page.text
-    assert 'tidal_agent_job_state{job="cancel-me",state="running"} 1.0' in page.text
+    assert 'tidal_agent_job_world_size{job_id="cancel-me"} 1.0' in page.text
+    assert 'tidal_agent_job_state{job_id="cancel-me",state="running"} 1.0' in page.text
     assert "tidal_agent_slots_used 1.0" in page.text
     wait_for(lambda: len(processes_of_node("a")) >= 2, timeout=30, what="runner and worker up")
     cancelled = time.monotonic()

@@ -1,0 +1,223 @@
+"""What a runner reports: progress summaries, metrics file, recoveries, torch elastic metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic import metrics as elastic_metrics
+from torch.distributed.elastic.metrics.api import NullMetricHandler
+
+from agent.elastic_metrics import configure_elastic_metrics
+from agent.status import (
+    RECOVERY_BUCKETS,
+    HistogramData,
+    RunnerMetricsRecorder,
+    StatusReporter,
+    elastic_call_name,
+    read_progress,
+    read_progress_reports,
+    read_runner_metrics,
+    summarize_progress,
+)
+from checkpoints.progress import FileProgressReporter
+from rendezvous.records import JobNodeState, JobNodeStatus, RestartReason
+from tests.support.wait import wait_for
+from tests.unit.agent.fakes import FakeEtcd
+
+
+def report(directory: Path, rank: int, **fields: Any) -> None:
+    body = {"rank": rank, "restart_count": 0, "time": 100.0, "step": None, **fields}
+    (directory / f"rank-{rank}.json").write_text(json.dumps(body))
+
+
+# progress summaries ------------------------------------------------------------------
+
+
+def test_files_of_an_older_round_are_ignored_for_step_rate_and_loss(tmp_path: Path) -> None:
+    # Rank 2 ran here at world size 3; after the restart this node holds rank 0 only.
+    report(tmp_path, 2, restart_count=0, step=90, samples_per_second=99.0, loss=9.0, time=50.0)
+    report(tmp_path, 0, restart_count=1, step=80, samples_per_second=10.0, loss=1.0, time=60.0,
+           first_step_time=55.0, world_size=2)
+    summary = summarize_progress(
+        json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))
+    )
+    assert (summary.step, summary.samples_per_second, summary.loss) == (80, 10.0, 1.0)
+    assert (summary.restart_count, summary.world_size) == (1, 2)
+    assert (summary.progress_time, summary.first_step_time) == (60.0, 55.0)
+    assert read_progress(tmp_path) == {"last_step": 80, "last_checkpoint_step": None}
+
+
+def test_the_newest_checkpoint_counts_whichever_round_saved_it(tmp_path: Path) -> None:
+    report(tmp_path, 0, restart_count=0, step=40, last_checkpoint_step=40,
+           last_checkpoint_time=400.0, last_save_seconds=2.0, last_stall_seconds=0.1)
+    report(tmp_path, 1, restart_count=1, step=45)
+    summary = summarize_progress(
+        json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")
+    )
+    assert (summary.last_checkpoint_step, summary.last_checkpoint_time) == (40, 400.0)
+    assert (summary.last_save_seconds, summary.last_stall_seconds) == (2.0, 0.1)
+    assert read_progress(tmp_path) == {"last_step": 45, "last_checkpoint_step": 40}
+
+
+def test_losses_are_averaged_and_the_rate_is_the_largest_rank_estimate(tmp_path: Path) -> None:
+    report(tmp_path, 0, step=5, loss=1.0, samples_per_second=100.0)
+    report(tmp_path, 1, step=5, loss=3.0, samples_per_second=110.0, last_save_error="disk full")
+    summary = summarize_progress(json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json"))
+    assert summary.loss == 2.0 and summary.samples_per_second == 110.0
+    assert summary.save_failing
+
+
+def test_half_written_or_foreign_files_are_skipped(tmp_path: Path) -> None:
+    (tmp_path / "rank-0.json").write_text('{"step": 3')
+    (tmp_path / "rank-1.json").write_text('[1, 2]')
+    report(tmp_path, 2, step=True)  # a bool is not a step
+    reports = read_progress_reports(tmp_path)
+    assert [r["rank"] for r in reports] == [2]
+    assert summarize_progress(reports).step is None
+    assert read_progress(tmp_path) == {"last_step": None, "last_checkpoint_step": None}
+
+
+# histograms and the recorder ---------------------------------------------------------
+
+
+def test_a_histogram_counts_values_into_prometheus_buckets() -> None:
+    hist = HistogramData.empty([1.0, 5.0])
+    for value in (0.5, 1.0, 3.0, 7.0):
+        hist.observe(value)
+    assert hist.cumulative() == [("1.0", 2.0), ("5.0", 3.0), ("+Inf", 4.0)]
+    assert (hist.count, hist.sum) == (4, 11.5)
+    assert hist.merged(hist).cumulative()[-1] == ("+Inf", 8.0)
+    with pytest.raises(ValueError, match="bounds differ"):
+        hist.merged(HistogramData.empty([2.0]))
+
+
+def test_torch_prof_names_become_calls_and_other_names_stay_values() -> None:
+    assert elastic_call_name("SimpleElasticAgent._rendezvous.duration.ms") == (
+        "rendezvous", "duration.ms")
+    assert elastic_call_name("LocalElasticAgent._start_workers.failure") == (
+        "start_workers", "failure")
+    assert elastic_call_name("workers.trainer.flakiness") is None
+
+
+def test_torch_elastic_metrics_reach_the_recorder_in_seconds() -> None:
+    recorder = RunnerMetricsRecorder(job_id="j", node_id="n", generation=1, pid=1)
+    configure_elastic_metrics(recorder)
+    try:
+        elastic_metrics.put_metric("SimpleElasticAgent._rendezvous.duration.ms", 2500)
+        elastic_metrics.put_metric("SimpleElasticAgent._rendezvous.success", 1)
+        elastic_metrics.put_metric("workers.trainer.flakiness", 25, "torchelastic")
+
+        @elastic_metrics.prof
+        def failing() -> None:
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError):
+            failing()
+    finally:
+        elastic_metrics.configure(NullMetricHandler())
+    data = recorder.snapshot()
+    call = data.elastic_calls["rendezvous"]
+    assert (call.success, call.failure, call.duration_seconds.sum) == (1, 0, 2.5)
+    assert data.elastic_calls["failing"].failure == 1
+    assert data.elastic_values == {"workers.trainer.flakiness": 25.0}
+
+
+def test_the_recorder_caps_the_number_of_torch_metric_names() -> None:
+    recorder = RunnerMetricsRecorder(job_id="j", node_id="n", generation=1, pid=1)
+    for i in range(200):
+        recorder.observe_elastic(f"value.{i}", i)
+    data = recorder.snapshot()
+    assert len(data.elastic_values) + len(data.elastic_calls) == 64
+
+
+# the reporter ------------------------------------------------------------------------
+
+
+def make_reporter(tmp_path: Path, client: FakeEtcd) -> StatusReporter:
+    progress = tmp_path / "progress"
+    progress.mkdir(exist_ok=True)
+    status = JobNodeStatus(job_id="j", node_id="n", generation=3, state=JobNodeState.STARTING)
+    return StatusReporter(client, status, progress_dir=progress,  # type: ignore[arg-type]
+                          metrics_path=tmp_path / "metrics.json", min_interval_s=0.05)
+
+
+def test_a_recovery_lasts_from_the_notice_to_the_first_step_of_the_new_workers(
+    tmp_path: Path,
+) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    try:
+        old = FileProgressReporter(tmp_path / "progress", rank=1, world_size=3, restart_count=0,
+                                   interval=0.0)
+        old.record(step=10)
+        reporter.recovery_noticed(restart_count=0)
+        noticed = time.time()
+        reporter.count_restart(RestartReason.NODE_LOST)
+        old.record(step=11)  # a worker of the old group, still writing: not a recovery
+        time.sleep(0.3)
+        assert read_runner_metrics(tmp_path / "metrics.json").recovery_seconds == {}
+        time.sleep(0.2)
+        new = FileProgressReporter(tmp_path / "progress", rank=0, world_size=2, restart_count=1,
+                                   interval=0.0)
+        new.record(step=8)
+        stepped = time.time()
+        data = wait_for(
+            lambda: (m := read_runner_metrics(tmp_path / "metrics.json")) and m.recovery_seconds
+            and m, timeout=5, what="the recovery in the metrics file")
+    finally:
+        reporter.close()
+    hist = data.recovery_seconds["node_lost"]
+    assert hist.count == 1 and hist.bounds == list(RECOVERY_BUCKETS)
+    assert 0.5 <= hist.sum <= stepped - noticed + 0.05
+    assert data.restarts == {"node_lost": 1}
+    status = client.status("j", "n")
+    assert status.last_recovery_seconds == pytest.approx(hist.sum)
+    assert status.last_step == 8  # the new round's step, not the old round's 11
+
+
+def test_a_second_notice_before_the_workers_resume_extends_the_same_recovery(
+    tmp_path: Path,
+) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    try:
+        reporter.recovery_noticed(restart_count=0)
+        reporter.count_restart(RestartReason.WORKER_FAILED)
+        time.sleep(0.2)
+        reporter.recovery_noticed(restart_count=1)  # the restarted group failed too
+        reporter.count_restart(RestartReason.NODE_LOST)
+        FileProgressReporter(tmp_path / "progress", rank=0, world_size=1, restart_count=1,
+                             interval=0.0).record(step=1)  # the group that failed: not it
+        time.sleep(0.2)
+        FileProgressReporter(tmp_path / "progress", rank=0, world_size=1, restart_count=2,
+                             interval=0.0).record(step=1)
+        data = wait_for(
+            lambda: (m := read_runner_metrics(tmp_path / "metrics.json")) and m.recovery_seconds
+            and m, timeout=5, what="the recovery in the metrics file")
+    finally:
+        reporter.close()
+    assert list(data.recovery_seconds) == ["worker_failed"]  # the reason of the first restart
+    assert data.recovery_seconds["worker_failed"].sum >= 0.4
+    assert data.restarts == {"worker_failed": 1, "node_lost": 1}
+
+
+def test_worker_exits_are_counted_by_code_and_written_on_close(tmp_path: Path) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    reporter.count_exits([1, -9, 1])
+    reporter.count_exits(iter([0]))
+    reporter.close()
+    data = read_runner_metrics(tmp_path / "metrics.json")
+    assert data is not None
+    assert data.worker_exits == {"1": 2, "-9": 1, "0": 1}
+    assert (data.job_id, data.node_id, data.generation) == ("j", "n", 3)
+
+
+def test_an_unreadable_metrics_file_reads_as_none(tmp_path: Path) -> None:
+    assert read_runner_metrics(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    assert read_runner_metrics(tmp_path / "bad.json") is None
