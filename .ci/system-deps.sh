@@ -7,6 +7,8 @@ command -v etcd >/dev/null 2>&1 && etcd --version 2>/dev/null | grep -q "etcd Ve
 # The metrics tests scrape a running tidal with a real Prometheus and check
 # deploy/prometheus/ with promtool; Debian's package ships both binaries.
 { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; } || need+=(prometheus)
+# The multi-host tests build network namespaces, veth pairs and netem qdiscs.
+{ command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; } || need+=(iproute2)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
