@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.lifeline import die_with_parent
 from agent.logcap import LogCap
+from agent.netif import socket_interface_env
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
 from rendezvous.client import create_client
@@ -287,6 +288,8 @@ def _prepare_environment(spec: RunnerSpec) -> Path:
     )
     if job.checkpoint_dir:
         os.environ["TIDAL_CHECKPOINT_DIR"] = job.checkpoint_dir
+    # Collectives go over the interface other nodes reach this one at.
+    os.environ.update(socket_interface_env(spec.address, job.env))
     return progress_dir
 
 
