@@ -46,7 +46,7 @@ demo-torchrun: setup
 	$(PY) -m examples.demo_torchrun
 
 bench: setup
-	$(PY) -m pytest tests/bench -m bench -s $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m bench -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
