@@ -140,6 +140,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 # etcd no longer accepts the token we hold: get a new one and retry (what
 # etcd's own Go client does). Simple tokens live in the memory of the member
 # and die with it; JWT tokens expire; a change of users or roles outdates both.
+# gRPC details that mean the request never reached a member (safe to resend).
+_NOT_DELIVERED = ("failed to connect to all addresses", "Connection refused", "No route to host")
 _TOKEN_REJECTED = ("invalid auth token", "revision of auth store is old")
 # etcd answers these with INVALID_ARGUMENT or FAILED_PRECONDITION, not UNAUTHENTICATED.
 _AUTH_REFUSED = ("authentication failed", "authentication is not enabled", "user name is empty")
@@ -412,6 +414,20 @@ class EtcdClient:
     # error translation --------------------------------------------------------
 
     def _translate(self, what: str, call: Callable[[], T]) -> T:
+        try:
+            return self._translate_authenticated(what, call)
+        except EtcdUnavailableError as exc:
+            # A member that refuses connections never saw the request, so trying
+            # the next endpoint is safe even for a write. pyetcd has marked the
+            # endpoint failed by now and picks another one.
+            if len(self.config.endpoints) < 2 or not any(
+                marker in str(exc) for marker in _NOT_DELIVERED
+            ):
+                raise
+            log.info("%s; trying another endpoint", exc)
+            return self._translate_authenticated(what, call)
+
+    def _translate_authenticated(self, what: str, call: Callable[[], T]) -> T:
         token = self._client.metadata
         try:
             return self._translate_once(what, call)
