@@ -152,8 +152,10 @@ def test_the_whole_etcd_cluster_down_for_30_s_training_goes_on_and_state_is_inta
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+# Not strict: whether the hang outlasts the liveness window depends on timing
+# (it passed once in a full run); the bug stands until calls are capped below it.
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="a runner whose etcd client is attached to a blackholed member hangs in each "
     "rendezvous call for the client's whole timeout (5 s), as long as the liveness window "
     "(keep-alive 1 s x 5): its peers drop it and every worker of the job restarts",
