@@ -51,6 +51,7 @@ from service.models import (
     check_bounds,
     new_job_id,
 )
+from service.scheduler import statuses_in_force
 from service.store import ConflictError, JobNotFoundError, JobStore, decode_cursor, encode_cursor
 
 log = logging.getLogger(__name__)
@@ -168,16 +169,9 @@ def confine(root: Path, relative: str | None, *, field: str) -> str | None:
     return str(target)
 
 
-def _current(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> dict[str, JobNodeStatus]:
-    return {
-        node: st for node, st in statuses.items()
-        if record.nodes.get(node) == st.generation
-    }
-
-
 def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     """A job as the API shows it: the record joined with its nodes' reports."""
-    current = _current(record, statuses)
+    current = statuses_in_force(record.nodes, statuses)  # record.nodes mirrors assignments
     running = [st.world_size for st in current.values() if st.state == JobNodeState.RUNNING]
     steps = [st.last_step for st in (current or statuses).values() if st.last_step is not None]
     ckpts = [st.last_checkpoint_step for st in statuses.values()

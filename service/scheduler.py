@@ -27,6 +27,7 @@ The rules, level-triggered (the same view always gives the same plan):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -88,15 +89,25 @@ def assignment_for(record: JobRecord, generation: int) -> Assignment:
     )
 
 
+def statuses_in_force(
+    generations: Mapping[str, int], statuses: dict[str, JobNodeStatus]
+) -> dict[str, JobNodeStatus]:
+    """The reports of the assignments in force: same node, same generation.
+
+    Args:
+        generations: node -> generation of the job's assignment there.
+        statuses: node -> what that node's agent reported for the job.
+    """
+    return {
+        node: st for node, st in statuses.items() if generations.get(node) == st.generation
+    }
+
+
 def current_statuses(
     assigned: dict[str, Assignment], statuses: dict[str, JobNodeStatus]
 ) -> dict[str, JobNodeStatus]:
-    """The reports that belong to the assignments in force (same node, same generation)."""
-    return {
-        node: st
-        for node, st in statuses.items()
-        if node in assigned and st.generation == assigned[node].generation
-    }
+    """:func:`statuses_in_force` for a node -> :class:`Assignment` map."""
+    return statuses_in_force({n: a.generation for n, a in assigned.items()}, statuses)
 
 
 def _order(record: JobRecord) -> tuple[int, datetime, str]:
