@@ -226,6 +226,7 @@ class Agent:
             job_dir=job_dir.resolve(),
             parent_pid=os.getpid(),
             log_max_bytes=self.settings.log_max_bytes,
+            lease_ttl_s=self.settings.lease_ttl_s,
         )
         spec_path = job_dir / "runner-spec.json"
         spec_path.write_text(spec.model_dump_json())

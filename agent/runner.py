@@ -42,7 +42,6 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.lifeline import die_with_parent
@@ -50,14 +49,15 @@ from agent.logcap import LogCap
 from agent.netif import socket_interface_env
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
-from rendezvous.client import create_client
+from rendezvous.assigned import AssignedRendezvousHandler
+from rendezvous.client import EtcdClient, create_client
+from rendezvous.keys import Keys
 from rendezvous.records import (
     JobNodeState,
     JobNodeStatus,
     RestartReason,
     WorkerError,
 )
-from rendezvous.torch_backend import EtcdV3RendezvousBackend, create_handler_and_backend
 
 log = logging.getLogger("tidal.runner")
 
@@ -66,30 +66,20 @@ log = logging.getLogger("tidal.runner")
 FAILED_STOP_TIMEOUT_S = 2.0
 
 
-def _participants(handler: RendezvousHandler) -> frozenset[str]:
-    """The members of the handler's last rendezvous round.
-
-    Reads DynamicRendezvousHandler's state holder, a private attribute; if a
-    torch release renames it, every failure is charged to the budget (torch's
-    own behaviour) and a warning says so.
-    """
-    try:
-        state = handler._state_holder.state  # type: ignore[attr-defined]
-        return frozenset(str(node) for node in state.participants)
-    except AttributeError:
-        log.warning("cannot read rendezvous membership; charging every failure to the budget")
-        return frozenset()
-
-
-def _leave_rendezvous(handler: RendezvousHandler) -> None:
-    """Remove this node from the rendezvous without closing it for the others."""
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-        handler._stop_heartbeats()  # type: ignore[attr-defined]
-        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)  # type: ignore[attr-defined]
-    except Exception as exc:  # best effort: our heartbeats stop and expire anyway
-        log.warning("could not leave the rendezvous cleanly (%s); it will time us out", exc)
+def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
+    """The registered nodes the coordinator assigned ``job_id`` to: whom a round waits for."""
+    prefix = keys.assignments_prefix()
+    kvs, _ = client.get_prefix(prefix)
+    assigned = set()
+    for kv in kvs:
+        node, _, job = kv.key[len(prefix):].partition("/")
+        if job == job_id:
+            assigned.add(node)
+    if not assigned:
+        return assigned
+    live, _ = client.get_prefix(keys.nodes_prefix())
+    registered = {kv.key[len(keys.nodes_prefix()):] for kv in live}
+    return assigned & registered
 
 
 def membership_reason(old: frozenset[str], new: frozenset[str]) -> RestartReason | None:
@@ -135,19 +125,26 @@ def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> 
 
 
 class TidalElasticAgent(LocalElasticAgent):
-    """LocalElasticAgent that tells membership changes from failures and reports status."""
+    """LocalElasticAgent that tells membership changes from failures and reports status.
+
+    Its rendezvous handler is an :class:`AssignedRendezvousHandler`, whose
+    :meth:`~AssignedRendezvousHandler.pending_change` says, on every monitor
+    tick and without an etcd call, whether a peer was lost, a node is waiting
+    to join, or the others went on without this node.
+    """
 
     def __init__(
         self,
         spec: WorkerSpec,
         *,
         reporter: StatusReporter,
-        backend: EtcdV3RendezvousBackend | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
+        if not isinstance(spec.rdzv_handler, AssignedRendezvousHandler):
+            raise TypeError("TidalElasticAgent needs an AssignedRendezvousHandler")
+        self._handler: AssignedRendezvousHandler = spec.rdzv_handler
         self._reporter = reporter
-        self._backend = backend
         # The job's worker-failure budget. torch's own ``_remaining_restarts``
         # is decremented on *every* restart instead, membership changes
         # included, because torch derives TORCHELASTIC_RESTART_COUNT and the
@@ -160,11 +157,6 @@ class TidalElasticAgent(LocalElasticAgent):
         # resized gets the full grace, to checkpoint at its next step.
         self._grace_s = float(kwargs.get("shutdown_timeout", 30))
         self._stop_timeout_s = self._grace_s
-        settings = getattr(spec.rdzv_handler, "settings", None)
-        window = 10.0
-        if settings is not None:
-            window = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
-        self._liveness_window_s = 2 * window
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
@@ -186,7 +178,7 @@ class TidalElasticAgent(LocalElasticAgent):
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
-        members = _participants(spec.rdzv_handler)
+        members = self._handler.participants()
         self._report_running()
         while True:
             time.sleep(spec.monitor_interval)
@@ -205,7 +197,7 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.STOPPED
                 self._rendezvous(self._worker_group)
-                new_members = _participants(spec.rdzv_handler)
+                new_members = self._handler.participants()
                 reason = membership_reason(members, new_members)
                 self._reporter.count_restart(reason or RestartReason.WORKER_FAILED)
                 if reason is not None:
@@ -214,53 +206,36 @@ class TidalElasticAgent(LocalElasticAgent):
                     self._budget -= 1
                 else:
                     log.error("worker group failed and the restart budget is spent")
-                    _leave_rendezvous(spec.rdzv_handler)
+                    self._handler.leave()
                     self._worker_group.state = WorkerState.FAILED
                     return result
                 members = new_members
                 self._remaining_restarts -= 1  # the next attempt: see __init__
                 self._start_group()
-            elif spec.rdzv_handler.num_nodes_waiting() > 0:
-                log.info("nodes are waiting to join: restarting with them")
-                self._notice_recovery()
+                continue
+            change = self._handler.pending_change()
+            if change is None:
+                continue
+            self._notice_recovery()
+            if change.kind == "waiting":
+                # A healthy group: give the workers their grace to checkpoint.
+                log.info("node(s) %s waiting to join: restarting with them",
+                         ", ".join(sorted(change.nodes)))
                 self._stop_timeout_s = self._grace_s
-                self._remaining_restarts -= 1
-                self._restart_workers(self._worker_group)
-                new_members = _participants(spec.rdzv_handler)
-                reason = membership_reason(members, new_members) or RestartReason.NODE_JOINED
-                self._reporter.count_restart(reason)
-                members = new_members
-                self._report_running()
             else:
-                members = self._check_peers(members)
-
-    def _check_peers(self, members: frozenset[str]) -> frozenset[str]:
-        """Restart if a peer of this round stopped heartbeating (hung or partitioned).
-
-        torch notices a silent peer only when a collective times out (gloo's
-        default: 30 minutes). The rendezvous state, synced by
-        ``num_nodes_waiting`` just before, drops a participant whose
-        heartbeats stopped for keep-alive x attempts; that is our signal.
-        Right after an etcd outage every heartbeat is stale, so the membership
-        is re-read instead of trusted.
-        """
-        handler = self._worker_group.spec.rdzv_handler
-        current = _participants(handler)
-        if not members or not current:
-            return current or members
-        if self._backend is not None and self._backend.outage_within(self._liveness_window_s):
-            return current
-        lost = members - current
-        if not lost:
-            return members
-        log.warning("%d peer(s) stopped heartbeating: restarting without them", len(lost))
-        self._notice_recovery()
-        self._reporter.count_restart(RestartReason.NODE_LOST)
-        self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
-        self._remaining_restarts -= 1
-        self._restart_workers(self._worker_group)
-        self._report_running()
-        return _participants(handler)
+                # A peer is gone (or the others went on without us): the group
+                # is broken and its collectives will not complete.
+                log.warning("peer(s) %s lost (%s): restarting without them",
+                            ", ".join(sorted(change.nodes)) or "-", change.kind)
+                self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
+            self._remaining_restarts -= 1
+            self._restart_workers(self._worker_group)
+            new_members = self._handler.participants()
+            default = (RestartReason.NODE_JOINED if change.kind == "waiting"
+                       else RestartReason.NODE_LOST)
+            self._reporter.count_restart(membership_reason(members, new_members) or default)
+            members = new_members
+            self._report_running()
 
     def _start_group(self) -> None:
         worker_ids = self._start_workers(self._worker_group)
@@ -312,17 +287,21 @@ def run(spec: RunnerSpec) -> int:
         metrics_path=spec.job_dir / RUNNER_METRICS_FILE,
     ).start()
     configure_elastic_metrics(reporter.recorder)
-    params = RendezvousParameters(
-        backend="etcd-v3",
-        endpoint=",".join(spec.etcd.endpoints),
+    keys = Keys(spec.etcd.root)
+    conf = job.rdzv_conf
+    handler = AssignedRendezvousHandler(
+        client,
         run_id=job.job_id,
+        node_id=spec.node_id,
+        addr=spec.address,
         min_nodes=job.min_nodes,
         max_nodes=job.max_nodes,
-        local_addr=spec.address,
-        key_root=spec.etcd.root,
-        **job.rdzv_conf,
+        root=spec.etcd.root,
+        expected_nodes=lambda: assigned_nodes(client, keys, job.job_id),
+        assigned_wait_s=float(conf.get("assigned_wait", 30)),
+        lease_ttl_s=spec.lease_ttl_s,
+        join_timeout_s=float(conf.get("join_timeout", 600)),
     )
-    handler, backend = create_handler_and_backend(params, client=client)
     worker_spec = WorkerSpec(
         role="trainer",
         local_world_size=job.nproc_per_node,
@@ -336,7 +315,6 @@ def run(spec: RunnerSpec) -> int:
     agent = TidalElasticAgent(
         worker_spec,
         reporter=reporter,
-        backend=backend,
         logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),
@@ -346,7 +324,7 @@ def run(spec: RunnerSpec) -> int:
         result = agent.run()
     except SignalException as exc:
         log.info("stopping on %s: leaving the job (the others go on)", exc.sigval.name)
-        _leave_rendezvous(handler)
+        handler.leave()
         reporter.update(state=JobNodeState.CANCELLED)
         return EXIT_STOPPED
     finally:
@@ -354,6 +332,7 @@ def run(spec: RunnerSpec) -> int:
         reporter.close()
     if result.is_failed():
         reporter.update(state=JobNodeState.FAILED)
+        handler.leave()
         return EXIT_FAILED
     reporter.update(state=JobNodeState.SUCCEEDED)
     handler.shutdown()  # the job is done: close the rendezvous for everyone

@@ -31,3 +31,6 @@ class RunnerSpec(BaseModel):
     job_dir: Path
     parent_pid: int
     log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
+    # The TTL of the runner's rendezvous record: how long a hung or cut-off
+    # node holds up the job's other nodes.
+    lease_ttl_s: int = Field(default=5, ge=2, le=300)
