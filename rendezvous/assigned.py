@@ -291,6 +291,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
             with self._cond:
                 if self._closed:
                     raise RendezvousClosedError(f"the rendezvous of job {self._run_id} is closed")
+                if self._stopped.is_set():
+                    raise RendezvousClosedError("this node left the rendezvous")
                 current = self._round
                 if current is not None and current.round >= target:
                     if self._node in current.nodes():
@@ -478,6 +480,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
         pending += sorted(expected - joins.keys())
         if pending or len(joined) < self._min:
             return None
+        log.debug("round %d can complete: joined %s, expected %s",
+                  target, sorted(joined), sorted(expected))
         return order_members(joined, previous, self._max)
 
     def _commit(self, target: int, members: tuple[Member, ...]) -> bool:

@@ -1,0 +1,196 @@
+"""The assigned-membership rendezvous against a real etcd, members in threads and processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousInfo,
+    RendezvousTimeoutError,
+)
+
+from rendezvous.assigned import AssignedRendezvousHandler
+from rendezvous.client import EtcdClient, EtcdConfig, create_client
+from rendezvous.keys import Keys
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+JOB = "job"
+Make = Callable[..., AssignedRendezvousHandler]
+
+
+@pytest.fixture
+def make(etcd_config: EtcdConfig) -> Iterator[Make]:
+    made: list[tuple[AssignedRendezvousHandler, EtcdClient]] = []
+
+    def factory(
+        node: str,
+        *,
+        min_nodes: int = 1,
+        max_nodes: int = 3,
+        expected: set[str] | None = None,
+        **kwargs: float,
+    ) -> AssignedRendezvousHandler:
+        client = create_client(etcd_config)
+        handler = AssignedRendezvousHandler(
+            client, run_id=JOB, node_id=node, addr="127.0.0.1", min_nodes=min_nodes,
+            max_nodes=max_nodes, root=etcd_config.root,
+            expected_nodes=None if expected is None else (lambda: expected),
+            lease_ttl_s=int(kwargs.pop("lease_ttl_s", 2)), **kwargs,
+        )
+        made.append((handler, client))
+        return handler
+
+    yield factory
+    for handler, client in made:
+        handler.close()
+        client.close()
+
+
+def together(*handlers: AssignedRendezvousHandler) -> list[RendezvousInfo]:
+    """Every handler's next round, joined concurrently."""
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(lambda h: h.next_rendezvous(), handlers, timeout=60))
+
+
+def spawn_member(
+    procs: ProcessGroupRegistry, config: EtcdConfig, node: str, log: Path, *, max_nodes: int = 3
+) -> tuple[object, Callable[[], dict[str, object] | None]]:
+    proc = procs.spawn(
+        [sys.executable, "-m", "tests.support.rdzv_member", config.endpoints[0], config.root,
+         JOB, node, "1", str(max_nodes)],
+        log_path=log,
+    )
+
+    def joined() -> dict[str, object] | None:
+        for line in log.read_text().splitlines():
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        return None
+
+    return proc, joined
+
+
+def test_the_assigned_nodes_form_one_round_with_distinct_ranks(make: Make) -> None:
+    nodes = {"a", "b", "c"}
+    infos = together(*(make(n, expected=nodes) for n in sorted(nodes)))
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+               for i in infos if i.bootstrap_store_info}
+    assert len(masters) == 1
+
+
+def test_a_killed_member_is_noticed_at_once_and_nobody_waits_for_its_lease(
+    make: Make, procs: ProcessGroupRegistry, etcd_config: EtcdConfig, etcd_client: EtcdClient,
+    tmp_path: Path,
+) -> None:
+    # c holds a 2-s lease, but the round must not need it to expire: c's join
+    # record is still in etcd when the survivors' next round completes, which
+    # only the liveness port can explain.
+    nodes = {"a", "b", "c"}
+    a, b = make("a", expected=nodes), make("b", expected=nodes)
+    proc, joined = spawn_member(procs, etcd_config, "c", tmp_path / "c.log")
+    infos = together(a, b)
+    assert {i.world_size for i in infos} == {3}
+    wait_for(joined, timeout=30, what="c in the round")
+    c_key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/c"
+    assert etcd_client.get(c_key) is not None
+
+    procs.signal_group(proc, signal.SIGKILL)  # type: ignore[arg-type]
+    change = wait_for(a.pending_change, timeout=10, what="a to notice c's death")
+    assert (change.kind, change.nodes) == ("lost", frozenset({"c"}))
+    wait_for(b.pending_change, timeout=10, what="b to notice c's death")
+    infos = together(a, b)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert a.participants() == b.participants() == {"a", "b"}
+    assert etcd_client.get(c_key) is not None, "the round waited for c's lease after all"
+
+
+def test_a_newcomer_restarts_the_round_and_the_old_ranks_stay(make: Make) -> None:
+    a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
+    before = {h: i.rank for h, i in zip((a, b), together(a, b), strict=True)}
+    assert a.pending_change() is None and a.num_nodes_waiting() == 0
+    c = make("c")
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(c.next_rendezvous)
+        change = wait_for(a.pending_change, timeout=10, what="a to see c waiting")
+        assert (change.kind, change.nodes) == ("waiting", frozenset({"c"}))
+        assert a.num_nodes_waiting() == 1
+        after = together(a, b)
+        info_c = late.result(timeout=30)
+    assert [i.world_size for i in (*after, info_c)] == [3, 3, 3]
+    assert (after[0].rank, after[1].rank) == (before[a], before[b])
+    assert info_c.rank == 2
+
+
+def test_a_full_round_does_not_restart_for_a_newcomer(make: Make) -> None:
+    a, b = (make(n, max_nodes=2, expected={"a", "b"}) for n in ("a", "b"))
+    together(a, b)
+    c = make("c", max_nodes=2, join_timeout_s=30)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(c.next_rendezvous)
+        wait_for(lambda: c._wanted == 2, timeout=10, what="c to ask for the next round")
+        wait_for(lambda: "c" in a._joins, timeout=10, what="a to see c's record")
+        assert a.pending_change() is None
+        assert a.num_nodes_waiting() == 0
+        c.close()  # c's wait ends with the handler
+
+
+def test_a_hung_member_is_dropped_once_its_lease_ends(
+    make: Make, procs: ProcessGroupRegistry, etcd_config: EtcdConfig, tmp_path: Path
+) -> None:
+    nodes = {"a", "b", "c"}
+    a, b = make("a", expected=nodes), make("b", expected=nodes)
+    proc, joined = spawn_member(procs, etcd_config, "c", tmp_path / "c.log")
+    together(a, b)
+    wait_for(joined, timeout=30, what="c in the round")
+    procs.signal_group(proc, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        # A stopped process's port still accepts connections: only its lease
+        # (2 s) can tell. The liveness connections stay open.
+        change = wait_for(a.pending_change, timeout=20, what="c's lease to end")
+        assert (change.kind, change.nodes) == ("lost", frozenset({"c"}))
+        nodes.discard("c")  # as the coordinator does once c's node lease ends too
+        infos = together(a, b)
+        assert [i.world_size for i in infos] == [2, 2]
+    finally:
+        procs.signal_group(proc, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+def test_an_assigned_node_that_never_comes_is_waited_for_only_so_long(make: Make) -> None:
+    nodes = {"a", "b", "x"}
+    infos = together(*(make(n, expected=nodes, assigned_wait_s=1.0) for n in ("a", "b")))
+    assert [i.world_size for i in infos] == [2, 2]
+
+
+def test_too_few_nodes_time_out_naming_min_nodes(make: Make) -> None:
+    a = make("a", min_nodes=2, join_timeout_s=1.0)
+    with pytest.raises(RendezvousTimeoutError, match="min_nodes=2"):
+        a.next_rendezvous()
+
+
+def test_shutdown_closes_the_rendezvous_for_every_node(make: Make) -> None:
+    a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
+    together(a, b)
+    assert a.shutdown()
+    wait_for(b.is_closed, timeout=10, what="b to see the rendezvous closed")
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+
+
+def test_a_malformed_record_is_ignored(make: Make, etcd_client: EtcdClient,
+                                       etcd_config: EtcdConfig) -> None:
+    prefix = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/"
+    etcd_client.put(prefix + "z", b"{not json")
+    etcd_client.put(prefix + "y", json.dumps({"round": 1, "node": "other", "addr": "x",
+                                              "port": 1, "incarnation": "i"}).encode())
+    infos = together(make("a"))
+    assert infos[0].world_size == 1
