@@ -49,6 +49,7 @@ from agent.logcap import LogCap
 from agent.netif import socket_interface_env
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
+from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
 from rendezvous.assigned import AssignedRendezvousHandler
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
@@ -64,6 +65,8 @@ log = logging.getLogger("tidal.runner")
 # Workers of a group that failed or lost a peer are blocked in a collective
 # that will not complete; SIGTERM cannot save anything there.
 FAILED_STOP_TIMEOUT_S = 2.0
+# How long a new runner waits for its zygote (agent.zygote) before joining.
+ZYGOTE_READY_TIMEOUT_S = 60.0
 
 
 def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
@@ -287,6 +290,10 @@ def run(spec: RunnerSpec) -> int:
         metrics_path=spec.job_dir / RUNNER_METRICS_FILE,
     ).start()
     configure_elastic_metrics(reporter.recorder)
+    zygote = None
+    if job.env.get(ENV_SWITCH) != "0":
+        zygote = ZygoteProcess(os.getpid())  # imports torch while we rendezvous
+        os.environ[ENV_SOCKET] = zygote.path
     keys = Keys(spec.etcd.root)
     conf = job.rdzv_conf
     handler = AssignedRendezvousHandler(
@@ -320,6 +327,10 @@ def run(spec: RunnerSpec) -> int:
         shutdown_timeout=int(job.grace_period_s),
     )
     cap = LogCap(spec.job_dir / "logs", max_bytes=spec.log_max_bytes).start()
+    # Join the job only once workers can start fast: the running nodes keep
+    # training meanwhile instead of waiting for this node's imports.
+    if zygote is not None and not zygote.wait_ready(ZYGOTE_READY_TIMEOUT_S):
+        log.warning("the zygote is not ready: workers start without it")
     try:
         result = agent.run()
     except SignalException as exc:
@@ -330,6 +341,8 @@ def run(spec: RunnerSpec) -> int:
     finally:
         cap.close()
         reporter.close()
+        if zygote is not None:
+            zygote.close()
     if result.is_failed():
         reporter.update(state=JobNodeState.FAILED)
         handler.leave()

@@ -6,6 +6,11 @@ job's command: the shim sets the parent-death signal (see
 argument vector (never through a shell). The signal survives ``exec``. It
 also re-opens stdout and stderr in append mode, so that the runner can cap
 the log files by copy-and-truncate (:mod:`agent.logcap`).
+
+Where the runner's zygote (:mod:`agent.zygote`) is ready and the command is
+a Python script or module, the shim has the zygote fork the worker instead,
+with torch already imported, and stays as the process torch watches: it
+relays signals and exits with the worker's code.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 
 from agent.lifeline import die_with_parent
 from agent.logcap import reopen_for_append
+from agent.zygote import ENV_SOCKET, run_through
 
 USAGE = "usage: python -m agent.worker_shim PARENT_PID -- COMMAND [ARG...]"
 
@@ -26,6 +32,11 @@ def main(argv: list[str]) -> None:
     die_with_parent(expected_parent=int(argv[0]))
     reopen_for_append()  # so that the runner can cap the log files (agent.logcap)
     command = argv[2:]
+    zygote = os.environ.pop(ENV_SOCKET, None)
+    if zygote:  # a pre-started interpreter that has imported torch (agent.zygote)
+        code = run_through(zygote, command)
+        if code is not None:
+            raise SystemExit(code)
     try:
         os.execvp(command[0], command)  # noqa: S606  (an argv list, never a shell)
     except OSError as exc:

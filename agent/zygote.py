@@ -1,0 +1,380 @@
+"""Pre-started workers: a process that has imported torch and forks each worker.
+
+A restarted worker used to spend most of its start-up importing torch (about
+1.4 s on the 2-core benchmark machine, 3 s with the first optimizer's
+``torch._dynamo`` import). The runner therefore starts one *zygote* per job
+before the first rendezvous: ``python -m agent.zygote SOCKET RUNNER_PID``,
+with the job's environment. It imports torch and the modules every DDP script
+uses, then serves on a Unix socket. For each worker that torch elastic starts,
+:mod:`agent.worker_shim` (the process torch tracks and signals) connects,
+sends the command, environment and working directory as JSON with its stdin,
+stdout and stderr as file descriptors (``SCM_RIGHTS``), and the zygote forks
+a child that runs the script in-process (``runpy``), as ``python`` would.
+
+Only commands the zygote can run exactly as ``python`` would are taken:
+``PYTHON [-u] SCRIPT ARGS`` or ``PYTHON [-u] -m MODULE ARGS`` where PYTHON is
+the zygote's own interpreter. Anything else (another interpreter, other
+options, a shell script, a binary) is refused and the shim ``exec``\\s the
+command as before. So is everything when the zygote is not there (it died,
+or ``TIDAL_ZYGOTE=0`` in the job's environment turned it off).
+
+Protocol on the connection, one JSON line each way, then:
+
+* zygote -> shim: ``{"pid": N}`` once the child runs, or ``{"refused": why}``;
+* zygote -> shim: ``{"exit": CODE}`` (``-SIG`` for a signal) when it ends.
+
+Life and death: the shim relays SIGTERM, SIGINT and SIGHUP to the child; the
+child gets the parent-death signal from the zygote (which dies with the
+runner), and kills itself when its shim's connection closes (torch SIGKILLed
+the shim). The zygote is single-threaded when it forks (its Python code);
+``import torch`` leaves one idle native thread, as in every DataLoader worker
+torch forks the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import runpy
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from agent.lifeline import die_with_parent
+
+log = logging.getLogger("tidal.zygote")
+
+ENV_SOCKET = "TIDAL_ZYGOTE_SOCKET"
+ENV_SWITCH = "TIDAL_ZYGOTE"  # "0" in a job's environment: no zygote
+ENV_PRELOAD = "TIDAL_ZYGOTE_PRELOAD"  # extra modules to import, comma-separated
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",  # what the first optimizer step imports: 1.2 s
+    "torch.distributed.elastic.multiprocessing.errors",
+    "checkpoints",
+)
+MAX_REQUEST = 4 << 20
+
+
+def parse_command(command: list[str], python: str) -> tuple[str, str, list[str]] | None:
+    """``("path", SCRIPT, argv)`` or ``("module", NAME, argv)`` if the zygote
+    can run ``command`` exactly as ``python`` would, else None."""
+    if not command:
+        return None
+    exe = command[0]
+    if os.sep in exe:
+        resolved = exe
+    else:
+        import shutil
+
+        resolved = shutil.which(exe) or ""
+    if not resolved or os.path.realpath(resolved) != os.path.realpath(python):
+        return None
+    rest = command[1:]
+    while rest and rest[0] == "-u":  # unbuffered: the workers run with PYTHONUNBUFFERED
+        rest = rest[1:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1], [rest[1], *rest[2:]]
+    if rest and not rest[0].startswith("-"):
+        return "path", rest[0], rest
+    return None
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any],
+               parsed: tuple[str, str, list[str]], *, zygote: int, inherited: list[int]) -> None:
+    """In the forked child: become the worker and run its script. Never returns."""
+    kind, target, argv = parsed
+    code = 1
+    try:
+        die_with_parent(expected_parent=zygote, sig=signal.SIGKILL)
+        os.setsid()  # leave the zygote's process group: signals for it are not ours
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in inherited:  # the zygote's other sockets are not this worker's
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for target_fd, fd in zip((0, 1, 2), fds, strict=True):
+            os.dup2(fd, target_fd)
+            os.close(fd)
+
+        def watch_shim() -> None:
+            # Our shim is what torch signals; if it dies (SIGKILL), so do we.
+            with contextlib.suppress(OSError):
+                while conn.recv(4096):
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch_shim, name="tidal-shim-watch", daemon=True).start()
+        os.chdir(request.get("cwd") or os.getcwd())
+        os.environ.clear()
+        os.environ.update(request["env"])
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():
+            import torch
+
+            torch.set_num_threads(int(threads))
+        sys.argv = argv
+        if kind == "path":
+            sys.path[0] = str(Path(target).resolve().parent)
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            sys.stderr.write(f"{exc.code}\n")
+            code = 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code & 0xFF)
+
+
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    conn.settimeout(5)  # a shim sends its request at once; never hang the zygote
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise ValueError(f"a process of uid {uid} may not start workers here")
+    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+    try:
+        while not data.endswith(b"\n"):
+            more = conn.recv(MAX_REQUEST)
+            if not more or len(data) > MAX_REQUEST:
+                raise ValueError("the request ended early or is too long")
+            data += more
+        conn.settimeout(None)
+        return dict(json.loads(data)), fds
+    except Exception:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+class Zygote:
+    """The serving loop: one thread, a selector on the socket and SIGCHLD."""
+
+    def __init__(self, path: str, python: str) -> None:
+        self.python = python
+        self.children: dict[int, socket.socket] = {}
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self.server.bind(path)
+        os.chmod(path, 0o600)
+        self.server.listen(64)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+
+    def serve_forever(self) -> None:
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        selector.register(self.server, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._accept()
+            self._reap()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                _send(conn, {"refused": f"bad request: {exc}"})
+            conn.close()
+            return
+        parsed = None
+        if isinstance(request.get("command"), list) and isinstance(request.get("env"), dict):
+            parsed = parse_command([str(a) for a in request["command"]], self.python)
+        if parsed is None or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                _send(conn, {"refused": "not a script or module of this interpreter"})
+            conn.close()
+            return
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        inherited = [self.server.fileno(), self._wake_r.fileno(), self._wake_w.fileno(),
+                     *(c.fileno() for c in self.children.values())]
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(conn, fds, request, parsed, zygote=zygote, inherited=inherited)
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = conn
+        with contextlib.suppress(OSError):
+            _send(conn, {"pid": pid})
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            with contextlib.suppress(OSError):
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or not argv[1].isdigit():
+        sys.stderr.write("usage: python -m agent.zygote SOCKET RUNNER_PID\n")
+        raise SystemExit(2)
+    die_with_parent(expected_parent=int(argv[1]))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s zygote: %(message)s")
+    import importlib
+
+    extra = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
+    for module in (*PRELOAD, *extra):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a missing optional module only costs speed
+            log.warning("cannot preload %s: %s", module, exc)
+    zygote = Zygote(argv[0], sys.executable)
+    log.info("zygote ready on %s", argv[0])
+    # Tell the runner, then let go of the pipe: fd 1 becomes the log stream.
+    os.write(1, b"ready\n")
+    os.dup2(2, 1)
+    zygote.serve_forever()
+
+
+class ZygoteProcess:
+    """The runner's handle on its zygote: started at once, ready when it listens."""
+
+    def __init__(self, runner_pid: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="tidal-zygote-")  # mode 0700: ours alone
+        self.path = os.path.join(self._dir, "socket")
+        self._proc = subprocess.Popen(  # a fixed argv, never a shell
+            [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,  # one line, "ready", once it listens
+        )
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the zygote listens (True), dies or ``timeout_s`` passes."""
+        import selectors
+
+        assert self._proc.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._proc.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout_s):
+                return False
+        return self._proc.stdout.readline().strip() == b"ready"
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def spawn_request(command: list[str], env: dict[str, str], cwd: str) -> bytes:
+    """The request line a shim sends."""
+    return json.dumps({"command": command, "env": env, "cwd": cwd}).encode() + b"\n"
+
+
+def run_through(path: str, command: list[str]) -> int | None:
+    """In the shim: have the zygote run ``command``; its exit code, or None if refused.
+
+    Relays SIGTERM, SIGINT and SIGHUP to the child while it runs.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_SOCKET,)}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        socket.send_fds(conn, [spawn_request(command, env, os.getcwd())], [0, 1, 2])
+        reader = conn.makefile("rb")
+        first = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    pid = first.get("pid")
+    if not isinstance(pid, int):
+        conn.close()
+        return None
+
+    def relay(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, relay)
+    while True:
+        try:
+            line = reader.readline()
+            break
+        except InterruptedError:
+            continue
+    try:
+        end = json.loads(line) if line else {}
+    except ValueError:
+        end = {}
+    code = end.get("exit")
+    if not isinstance(code, int):
+        return 1  # the zygote died under it: the child died with it (parent-death signal)
+    if code < 0:  # end the way the child did, so that torch sees the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+__all__ = ["ENV_SOCKET", "ENV_SWITCH", "Zygote", "main", "parse_command", "run_through"]
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""Pre-started workers: the zygote forks scripts with torch imported, and dies right."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.zygote import ENV_SOCKET, ZygoteProcess, parse_command
+from tests.support.wait import wait_for
+
+SCRIPT = """
+import json, os, signal, sys, time
+preloaded = "torch" in sys.modules
+import torch
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WORKER_VAR"),
+                  "preloaded": preloaded, "pid": os.getpid(), "name": __name__}), flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_only_commands_of_this_interpreter_are_taken() -> None:
+    py = sys.executable
+    assert parse_command([py, "train.py", "--x"], py) == ("path", "train.py", ["train.py", "--x"])
+    assert parse_command([py, "-u", "-m", "pkg.mod", "a"], py) == ("module", "pkg.mod",
+                                                                     ["pkg.mod", "a"])
+    assert parse_command([py, "-c", "print(1)"], py) is None
+    assert parse_command([py, "-X", "dev", "train.py"], py) is None
+    assert parse_command(["/bin/echo", "hi"], py) is None
+    assert parse_command([py], py) is None
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[ZygoteProcess]:
+    process = ZygoteProcess(os.getpid())
+    try:
+        assert process.wait_ready(120), "the zygote never became ready"
+        yield process
+    finally:
+        process.close()
+
+
+def _shim(zygote: ZygoteProcess, tmp_path: Path, command: list[str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, ENV_SOCKET: zygote.path, "WORKER_VAR": "w1"}
+    out = open(tmp_path / "out.log", "wb")  # noqa: SIM115  (closed by the caller's process end)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent.worker_shim", str(os.getpid()), "--", *command],
+        env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def _record(tmp_path: Path) -> dict[str, object] | None:
+    import json
+
+    for line in (tmp_path / "out.log").read_text().splitlines():
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    return None
+
+
+def test_a_script_runs_forked_with_torch_imported_and_its_exit_code(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "7"])
+    assert shim.wait(60) == 7
+    record = _record(tmp_path)
+    assert record is not None
+    assert record["preloaded"] is True
+    assert record["argv"] == ["job.py", "7"]
+    assert record["cwd"] == str(tmp_path)
+    assert record["env"] == "w1"
+    assert record["name"] == "__main__"
+    assert record["pid"] != shim.pid
+
+
+def test_sigterm_reaches_the_worker_and_sigkill_of_the_shim_kills_it(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "wait"])
+    record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
+    os.killpg(shim.pid, signal.SIGTERM)  # what torch elastic sends
+    assert shim.wait(30) == -signal.SIGTERM
+    wait_for(lambda: not _alive(int(record["pid"])), timeout=10, what="the worker to end")
+
+    (tmp_path / "out.log").unlink()
+    shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "wait"])
+    record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
+    os.killpg(shim.pid, signal.SIGKILL)  # torch's last resort: the worker must follow
+    shim.wait(30)
+    wait_for(lambda: not _alive(int(record["pid"])), timeout=10, what="the orphan to die")
+
+
+def test_a_command_the_zygote_refuses_is_executed_as_before(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    shim = _shim(zygote, tmp_path, ["/bin/sh", "-c", "echo plain; exit 5"])
+    assert shim.wait(30) == 5
+    assert (tmp_path / "out.log").read_text().strip() == "plain"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie counts as gone: the zygote reaps it.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
