@@ -5,7 +5,7 @@ it alive exactly as long as the agent keeps the lease), watches
 ``assignments/<node>/`` with a list-then-watch :class:`PrefixWatcher`, and
 reconciles, level-triggered, what should run against what runs:
 
-* an assignment without a runner: start ``python -m agent.runner`` for it
+* an assignment without a runner: start ``python -m agent.runner_main`` for it
   (one process per job, so one job cannot take the daemon down);
 * a runner whose assignment is gone (cancelled, scaled down, drained): SIGTERM
   it (its workers get SIGTERM, checkpoint and exit; the node leaves the
@@ -233,7 +233,7 @@ class Agent:
         spec_path.chmod(0o600)  # it may hold etcd credentials and job secrets
         with open(job_dir / "runner.log", "ab") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "agent.runner", str(spec_path)],
+                [sys.executable, "-m", "agent.runner_main", str(spec_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
@@ -44,12 +43,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from agent.elastic_metrics import configure_elastic_metrics
-from agent.lifeline import die_with_parent
 from agent.logcap import LogCap
-from agent.netif import socket_interface_env
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
-from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
+from agent.zygote import ZygoteProcess
 from rendezvous.assigned import AssignedRendezvousHandler
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
@@ -248,33 +245,13 @@ class TidalElasticAgent(LocalElasticAgent):
         self._report_running()
 
 
-def _prepare_environment(spec: RunnerSpec) -> Path:
-    """Working directory and environment the workers inherit; returns the progress dir."""
-    job = spec.assignment
-    progress_dir = spec.job_dir / "progress"
-    progress_dir.mkdir(parents=True, exist_ok=True)
-    if job.cwd:
-        os.chdir(job.cwd)
-    os.environ.update(job.env)
-    os.environ.update(
-        {
-            "TIDAL_JOB_ID": job.job_id,
-            "TIDAL_NODE_ID": spec.node_id,
-            "TIDAL_PROGRESS_DIR": str(progress_dir),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    if job.checkpoint_dir:
-        os.environ["TIDAL_CHECKPOINT_DIR"] = job.checkpoint_dir
-    # Collectives go over the interface other nodes reach this one at.
-    os.environ.update(socket_interface_env(spec.address, job.env))
-    return progress_dir
+def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
+    """Run the job's worker group until it succeeds, fails, or this node leaves.
 
-
-def run(spec: RunnerSpec) -> int:
-    """Run the job's worker group until it succeeds, fails, or this node leaves."""
+    The environment is prepared and the zygote started by :mod:`agent.runner_main`,
+    before this module's imports (torch) take their second and a half.
+    """
     job = spec.assignment
-    progress_dir = _prepare_environment(spec)
     client = create_client(spec.etcd)
     reporter = StatusReporter(
         client,
@@ -290,10 +267,6 @@ def run(spec: RunnerSpec) -> int:
         metrics_path=spec.job_dir / RUNNER_METRICS_FILE,
     ).start()
     configure_elastic_metrics(reporter.recorder)
-    zygote = None
-    if job.env.get(ENV_SWITCH) != "0":
-        zygote = ZygoteProcess(os.getpid())  # imports torch while we rendezvous
-        os.environ[ENV_SOCKET] = zygote.path
     keys = Keys(spec.etcd.root)
     conf = job.rdzv_conf
     handler = AssignedRendezvousHandler(
@@ -341,8 +314,6 @@ def run(spec: RunnerSpec) -> int:
     finally:
         cap.close()
         reporter.close()
-        if zygote is not None:
-            zygote.close()
     if result.is_failed():
         reporter.update(state=JobNodeState.FAILED)
         handler.leave()
@@ -352,26 +323,7 @@ def run(spec: RunnerSpec) -> int:
     return EXIT_SUCCEEDED
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        sys.stderr.write("usage: python -m agent.runner SPEC.json\n")
-        return 2
-    spec = RunnerSpec.model_validate_json(Path(argv[0]).read_text())
-    # The password comes through the environment, never the spec file; the
-    # workers inherit this process's environment, so take it out.
-    password = os.environ.pop("TIDAL_ETCD_PASSWORD", None)
-    spec = spec.model_copy(
-        update={"etcd": spec.etcd.model_copy(update={"password": SecretStr(password)})}
-        if password
-        else {"etcd": spec.etcd.model_copy(update={"password": None})}
-    )
-    die_with_parent(expected_parent=spec.parent_pid)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s runner[{spec.assignment.job_id}] %(name)s: %(message)s",
-    )
-    return run(spec)
-
-
 if __name__ == "__main__":
+    from agent.runner_main import main
+
     sys.exit(main(sys.argv[1:]))
