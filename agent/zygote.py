@@ -277,11 +277,18 @@ def main(argv: list[str]) -> None:
     import importlib
 
     extra = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
+    # A CUDA context must not exist before fork (the children could not use
+    # CUDA): any "is CUDA available?" during the imports asks NVML instead.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for module in (*PRELOAD, *extra):
         try:
             importlib.import_module(module)
         except Exception as exc:  # a missing optional module only costs speed
             log.warning("cannot preload %s: %s", module, exc)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.error("CUDA was initialised while preloading: not forking workers")
+        raise SystemExit(1)  # the shims find no zygote and exec the command
     zygote = Zygote(argv[0], sys.executable)
     log.info("zygote ready on %s", argv[0])
     # Tell the runner, then let go of the pipe: fd 1 becomes the log stream.
