@@ -12,8 +12,18 @@ Why a facade rather than pyetcd's client directly:
 
 * pyetcd marks an endpoint "failed" for 300 s after one error and, without
   failover, refuses to use it again until then: an etcd restart would make the
-  client useless for five minutes. We build the endpoints ourselves with a
-  short retry window and keep gRPC's reconnect backoff short.
+  client useless for five minutes. With failover it marks whichever endpoint
+  is current when an error comes back, not the one the failed call went to,
+  so with several threads a healthy member gets the blame. We pick endpoints
+  ourselves (:class:`EndpointPicker`): a member that refused a call is
+  skipped for 2 s, one that did not answer in time (cut off, paused) for
+  10 s and longer while it stays silent, and no endpoint is ever refused
+  outright. gRPC's reconnect backoff is kept short.
+* Calls that keep something alive (rendezvous heartbeats, lease keep-alives)
+  take a deadline of their own, far shorter than the client's: an answer that
+  comes after the liveness window is worthless, and a member that swallows
+  packets must cost one short deadline, not the whole window, before the
+  caller's retry goes to another member.
 * pyetcd's callback watcher drops every watch on a connection error and only
   logs callback exceptions. :meth:`EtcdClient.watch` is a plain stream the
   caller iterates; :mod:`rendezvous.watch` builds list-then-watch with
@@ -34,6 +44,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +191,210 @@ def _tls_problem(detail: str, config: EtcdConfig) -> str | None:
             "in etcd's --trusted-ca-file, and still valid?"
         )
     return None
+
+
+# How long an endpoint is skipped after a call to it failed. A refused
+# connection is what a restarting member looks like: try it again soon. No
+# answer at all within the deadline is what a member cut off from the network
+# (or paused) looks like; every call sent to it costs a whole deadline, so stay
+# away longer, and longer still while it keeps failing that way.
+REFUSED_QUARANTINE_S = 2.0
+SILENT_QUARANTINE_S = 10.0
+MAX_QUARANTINE_S = 60.0
+
+
+class EndpointPicker:
+    """Decides which etcd endpoint the next call goes to. Thread-safe; no I/O.
+
+    Calls stick to the current endpoint while it answers. When a call fails,
+    the endpoint *that call went to* is quarantined (another thread may have
+    moved on already; blaming the current one would punish a healthy member),
+    and the next call goes to the next endpoint in order that is not
+    quarantined. If every endpoint is, the one whose quarantine ends first is
+    used: the picker never refuses to try, so a client whose members all
+    failed at once (an etcd restart, this host's network down) works again as
+    soon as one answers. With a single endpoint nothing is ever quarantined.
+
+    Args:
+        endpoints: the endpoints' labels (``host:port``), in failover order.
+        first: where calls go until one fails; the first of ``endpoints`` by default.
+        clock: monotonic seconds; injectable for tests.
+
+    Raises:
+        ValueError: no endpoints, or ``first`` is not one of them.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        first: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EndpointPicker needs at least one endpoint")
+        self._order = list(dict.fromkeys(endpoints))
+        if first is not None and first not in self._order:
+            raise ValueError(f"first endpoint {first!r} is not one of {self._order}")
+        self._current = self._order[0] if first is None else first
+        self._bad_until = dict.fromkeys(self._order, 0.0)
+        self._silences = dict.fromkeys(self._order, 0)  # deadlines missed in a row
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> str:
+        """The endpoint calls go to now (as of the last :meth:`pick`)."""
+        return self._current
+
+    def quarantined_for(self, endpoint: str) -> float:
+        """Seconds until ``endpoint`` may be picked again (0 if it may now)."""
+        with self._lock:
+            return max(0.0, self._bad_until[endpoint] - self._clock())
+
+    def pick(self) -> str:
+        """The endpoint for the next call (the current one, unless it is quarantined)."""
+        with self._lock:
+            now = self._clock()
+            if self._bad_until[self._current] <= now:
+                return self._current
+            start = self._order.index(self._current)
+            ring = self._order[start + 1 :] + self._order[: start + 1]
+            usable = [e for e in ring if self._bad_until[e] <= now]
+            chosen = usable[0] if usable else min(ring, key=lambda e: self._bad_until[e])
+            if chosen != self._current:
+                log.info(
+                    "etcd: calls go to %s now; %s is skipped for %.1f s",
+                    chosen,
+                    self._current,
+                    self._bad_until[self._current] - now,
+                )
+                self._current = chosen
+            return chosen
+
+    def failed(self, endpoint: str, *, silent: bool) -> None:
+        """A call to ``endpoint`` failed: it was refused, or (``silent``) got no answer in time."""
+        if len(self._order) < 2 or endpoint not in self._bad_until:
+            return
+        with self._lock:
+            if silent:
+                self._silences[endpoint] += 1
+                doublings = min(self._silences[endpoint] - 1, 8)
+                pause = min(SILENT_QUARANTINE_S * 2**doublings, MAX_QUARANTINE_S)
+            else:
+                pause = REFUSED_QUARANTINE_S
+            self._bad_until[endpoint] = max(self._bad_until[endpoint], self._clock() + pause)
+
+    def answered(self, endpoint: str) -> None:
+        """A call to ``endpoint`` got an answer: whatever was held against it is forgotten."""
+        if endpoint not in self._bad_until:
+            return
+        with self._lock:
+            self._bad_until[endpoint] = 0.0
+            self._silences[endpoint] = 0
+
+
+# gRPC codes that blame the endpoint: it is unreachable, silent or broken.
+_ENDPOINT_FAULTS = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+)
+# UNAVAILABLE details that mean "no answer" rather than "refused": gRPC's
+# keep-alive gave up on a connection whose packets vanish, or the deadline
+# ended a TCP handshake that got no reply.
+_SILENT_DETAILS = ("timed out", "keepalive watchdog timeout", "handshaker shutdown")
+
+
+def _is_silence(exc: grpc.RpcError) -> bool:
+    """True if ``exc`` says the endpoint did not answer (rather than refused)."""
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    detail = (exc.details() or "").lower() if hasattr(exc, "details") else ""
+    return any(sign in detail for sign in _SILENT_DETAILS)
+
+
+class _PyetcdClient(MultiEndpointEtcd3Client):  # type: ignore[misc]  # pyetcd is untyped
+    """pyetcd's multi-endpoint client, with the endpoint of each call chosen by an
+    :class:`EndpointPicker`.
+
+    pyetcd reaches a member through its stub properties (``kvstub``, ...) and
+    ``channel``; here every such access asks the picker, and records, for the
+    calling thread, which endpoint the call goes to, so that a failure is
+    blamed on that endpoint. pyetcd's own bookkeeping (``Endpoint.fail``,
+    ``time_retry``) is left unused.
+    """
+
+    def __init__(self, endpoints: list[Endpoint], timeout: float) -> None:
+        super().__init__(endpoints=endpoints, timeout=timeout, failover=True)
+        # pyetcd chose a random first endpoint: the clients of a cluster spread
+        # over its members instead of all loading the first one.
+        self.picker = EndpointPicker(list(self.endpoints), first=self._current_endpoint_label)
+        self._used = threading.local()
+        self._stubs_by_endpoint: dict[tuple[str, str], Any] = {}
+
+    def _use(self) -> str:
+        endpoint = self.picker.pick()
+        self._used.endpoint = endpoint
+        return endpoint
+
+    @property
+    def used(self) -> str | None:
+        """The endpoint this thread's latest call went to (None: none since :meth:`forget_used`)."""
+        return getattr(self._used, "endpoint", None)
+
+    def forget_used(self) -> None:
+        self._used.endpoint = None
+
+    def _stub(self, name: str, factory: Callable[[Any], Any]) -> Any:
+        endpoint = self._use()
+        stub = self._stubs_by_endpoint.get((endpoint, name))
+        if stub is None:
+            stub = self._stubs_by_endpoint.setdefault(
+                (endpoint, name), factory(self.endpoints[endpoint].channel)
+            )
+        return stub
+
+    @property
+    def authstub(self) -> Any:
+        return self._stub("auth", etcdrpc.AuthStub)
+
+    @property
+    def kvstub(self) -> Any:
+        return self._stub("kv", etcdrpc.KVStub)
+
+    @property
+    def clusterstub(self) -> Any:
+        return self._stub("cluster", etcdrpc.ClusterStub)
+
+    @property
+    def leasestub(self) -> Any:
+        return self._stub("lease", etcdrpc.LeaseStub)
+
+    @property
+    def maintenancestub(self) -> Any:
+        return self._stub("maintenance", etcdrpc.MaintenanceStub)
+
+    @property
+    def channel(self) -> Any:
+        return self.endpoints[self._use()].channel
+
+    def blame(self, exc: grpc.RpcError | None, endpoint: str | None = None) -> None:
+        """Quarantine the endpoint a failed call went to (this thread's latest by
+        default) if ``exc`` is the endpoint's fault; None: it did not answer in time."""
+        endpoint = endpoint or self.used
+        if endpoint is None:
+            return
+        if exc is None:
+            self.picker.failed(endpoint, silent=True)
+        elif hasattr(exc, "code") and exc.code() in _ENDPOINT_FAULTS:
+            self.picker.failed(endpoint, silent=_is_silence(exc))
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError) -> None:
+        """Blame the endpoint this thread's call went to, then raise pyetcd's error
+        for ``exc`` (called inside the ``except`` that caught it, as pyetcd does)."""
+        self.blame(exc)
+        super()._manage_grpc_errors(exc)
 
 
 @dataclass(frozen=True)
@@ -336,9 +551,6 @@ class EtcdClient:
                 raise EtcdError(f"etcd TLS: cannot read a certificate file: {exc}") from exc
         if (config.user is None) != (config.password is None):
             raise EtcdError("etcd auth: user and password must be given together")
-        # With one endpoint, never mark it failed (retry window 0): an etcd
-        # restart must not lock us out. With several, skip a failed one for 2 s.
-        retry = 0.0 if len(config.endpoints) == 1 else 2.0
         endpoints = []
         for text in config.endpoints:
             host, port = parse_endpoint(text)
@@ -348,20 +560,26 @@ class EtcdClient:
                     port,
                     secure=config.secure,
                     creds=creds,
-                    time_retry=retry,
+                    time_retry=0.0,  # unused: the EndpointPicker decides
                     opts=_GRPC_OPTIONS,
                 )
             )
         # No user here: pyetcd would authenticate once, against one endpoint
         # picked at random, and never again. :meth:`_authenticate` does it.
-        return MultiEndpointEtcd3Client(endpoints=endpoints, timeout=self._timeout, failover=True)
+        return _PyetcdClient(endpoints, self._timeout)
+
+    @property
+    def endpoint(self) -> str:
+        """The etcd endpoint (``host:port``) the next call goes to."""
+        return str(self._client.picker.pick())
 
     def _first_answer(self, call: Callable[[], T]) -> T:
         """Run ``call``, trying the next endpoint while one does not answer.
 
-        A failed call marks its endpoint failed (for 2 s with several
-        endpoints), so each retry reaches another member: one member down
-        must not stop a process from starting.
+        A failed call quarantines its endpoint (see :class:`EndpointPicker`),
+        so each retry reaches another member: one member down must not stop a
+        process from starting. Used for reads and authentication only, which
+        are safe to send again.
         """
         for _ in range(len(self.config.endpoints) - 1):
             try:
@@ -380,11 +598,11 @@ class EtcdClient:
         )
 
         def call() -> str:
-            client = self._client
+            stub = self._client.authstub  # no token: this call is how we get one
             try:
-                return str(client.authstub.Authenticate(request, self._timeout).token)
+                return str(stub.Authenticate(request, self._timeout).token)
             except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)  # marks an unreachable endpoint failed
+                self._client._manage_grpc_errors(exc)  # blames the endpoint, raises
                 raise
 
         token = self._translate_once(f"authenticate user {self.config.user!r}", call)
@@ -411,26 +629,57 @@ class EtcdClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # error translation --------------------------------------------------------
+    # calls and error translation ----------------------------------------------
 
-    def _translate(self, what: str, call: Callable[[], T]) -> T:
+    def _timeout_of(self, timeout_s: float | None) -> float:
+        """The deadline of one call: ``timeout_s`` if given and shorter than the client's."""
+        if timeout_s is None:
+            return self._timeout
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) must be positive")
+        return min(timeout_s, self._timeout)
+
+    def _rpc(self, stub: str, method: str, request: Any, timeout: float) -> Any:
+        """One unary call, on the endpoint the picker chooses, with our token."""
+        client = self._client
         try:
-            return self._translate_authenticated(what, call)
+            return getattr(getattr(client, stub), method)(
+                request, timeout, credentials=client.call_credentials, metadata=client.metadata
+            )
+        except grpc.RpcError as exc:
+            client._manage_grpc_errors(exc)  # blames the endpoint, raises pyetcd's error
+            raise
+
+    def _translate(
+        self,
+        what: str,
+        call: Callable[[], T],
+        *,
+        timeout: float | None = None,
+        round_trip: bool = True,
+    ) -> T:
+        """Run ``call`` (one etcd call), translating its errors; see :meth:`_translate_once`."""
+        try:
+            return self._translate_authenticated(what, call, timeout, round_trip)
         except EtcdUnavailableError as exc:
             # A member that refuses connections never saw the request, so trying
-            # the next endpoint is safe even for a write. pyetcd has marked the
-            # endpoint failed by now and picks another one.
+            # the next endpoint is safe even for a write. The failure has
+            # quarantined that member: the picker chooses another one. (A call
+            # whose deadline expired is NOT resent here: it may have been
+            # applied. Callers that know their call is idempotent retry it.)
             if len(self.config.endpoints) < 2 or not any(
                 marker in str(exc) for marker in _NOT_DELIVERED
             ):
                 raise
             log.info("%s; trying another endpoint", exc)
-            return self._translate_authenticated(what, call)
+            return self._translate_authenticated(what, call, timeout, round_trip)
 
-    def _translate_authenticated(self, what: str, call: Callable[[], T]) -> T:
+    def _translate_authenticated(
+        self, what: str, call: Callable[[], T], timeout: float | None, round_trip: bool
+    ) -> T:
         token = self._client.metadata
         try:
-            return self._translate_once(what, call)
+            return self._translate_once(what, call, timeout, round_trip)
         except _AuthTokenRejectedError as exc:
             if self.config.user is None:
                 raise
@@ -438,11 +687,25 @@ class EtcdClient:
                 if self._client.metadata == token:  # no other thread got a new one yet
                     log.info("%s; authenticating again", exc)
                     self._authenticate()
-            return self._translate_once(what, call)
+            return self._translate_once(what, call, timeout, round_trip)
 
-    def _translate_once(self, what: str, call: Callable[[], T]) -> T:
+    def _translate_once(
+        self,
+        what: str,
+        call: Callable[[], T],
+        timeout: float | None = None,
+        round_trip: bool = True,
+    ) -> T:
+        """Run ``call``; turn pyetcd's and gRPC's errors into :mod:`rendezvous.errors`.
+
+        ``timeout`` is the call's deadline, for the error message. An answer
+        clears whatever the picker held against the endpoint; ``round_trip``
+        False (opening a watch stream, which does not wait for etcd) does not.
+        """
+        client = self._client
+        client.forget_used()
         try:
-            return call()
+            result = call()
         except EtcdError:
             raise
         except (
@@ -453,10 +716,10 @@ class EtcdClient:
             # pyetcd raises these from inside its handler of the gRPC error,
             # whose details say why (a refused TLS handshake, a refused port).
             if isinstance(exc.__context__, grpc.RpcError):
-                raise self._from_rpc_error(what, exc.__context__) from exc
+                raise self._from_rpc_error(what, exc.__context__, timeout) from exc
             raise EtcdUnavailableError(
-                f"etcd at {self._where} did not answer {what} within {self._timeout:g} s "
-                f"({type(exc).__name__})"
+                f"etcd at {client.used or self._where} did not answer {what} within "
+                f"{timeout or self._timeout:g} s ({type(exc).__name__})"
             ) from exc
         except pyetcd_exc.RevisionCompactedError as exc:
             raise EtcdCompactedError(
@@ -464,11 +727,21 @@ class EtcdClient:
                 exc.compacted_revision,
             ) from exc
         except grpc.RpcError as exc:
-            raise self._from_rpc_error(what, exc) from exc
+            # A streaming call fails while it is read, outside :meth:`_rpc`:
+            # nothing blamed its endpoint yet (pyetcd's mapped errors, above,
+            # were blamed where they were raised).
+            client.blame(exc)
+            raise self._from_rpc_error(what, exc, timeout) from exc
         except ValueError as exc:  # pyetcd: "Trying to use a failed node"
             raise EtcdUnavailableError(f"etcd at {self._where}: {what} failed: {exc}") from exc
+        used = client.used
+        if round_trip and used is not None:
+            client.picker.answered(used)
+        return result
 
-    def _from_rpc_error(self, what: str, exc: grpc.RpcError) -> EtcdError:
+    def _from_rpc_error(
+        self, what: str, exc: grpc.RpcError, timeout: float | None = None
+    ) -> EtcdError:
         code = exc.code() if hasattr(exc, "code") else None
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         detail = detail or ""
@@ -491,20 +764,32 @@ class EtcdClient:
             grpc.StatusCode.CANCELLED,
         ):
             return EtcdUnavailableError(
-                f"etcd at {self._where} did not answer {what} within {self._timeout:g} s: {detail}"
+                f"etcd at {self._client.used or self._where} did not answer {what} within "
+                f"{timeout or self._timeout:g} s: {detail}"
             )
         return EtcdError(f"etcd at {self._where}: {what} failed ({code}): {detail}")
 
     # key-value ----------------------------------------------------------------
 
-    def get(self, key: str) -> KeyValue | None:
-        """The current value of ``key``, or None if it does not exist."""
+    def get(self, key: str, *, timeout_s: float | None = None) -> KeyValue | None:
+        """The current value of ``key``, or None if it does not exist.
+
+        Args:
+            key: the key.
+            timeout_s: deadline of this call, if shorter than the client's.
+
+        Raises:
+            EtcdUnavailableError: the endpoint did not answer in time (it is
+                quarantined: the next call goes to another member).
+        """
+        timeout = self._timeout_of(timeout_s)
+        request = etcdrpc.RangeRequest(key=key.encode())
 
         def call() -> KeyValue | None:
-            resp = self._client.get_response(key)
+            resp = self._rpc("kvstub", "Range", request, timeout)
             return _kv(resp.kvs[0]) if resp.count else None
 
-        return self._translate(f"get {key}", call)
+        return self._translate(f"get {key}", call, timeout=timeout)
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` (sorted by key) and the store revision read at."""
@@ -551,8 +836,24 @@ class EtcdClient:
         compare: Sequence[Compare],
         success: Sequence[TxnOp] = (),
         failure: Sequence[TxnOp] = (),
+        *,
+        timeout_s: float | None = None,
     ) -> TxnResult:
-        """Run an etcd transaction: if every guard holds, ``success``, else ``failure``."""
+        """Run an etcd transaction: if every guard holds, ``success``, else ``failure``.
+
+        Args:
+            compare: the guards.
+            success: the operations run if every guard holds.
+            failure: the operations run otherwise.
+            timeout_s: deadline of this call, if shorter than the client's.
+
+        Raises:
+            EtcdUnavailableError: the endpoint did not answer in time. The
+                transaction may still have been applied: resend it only if it
+                is guarded so that applying it twice is harmless, and read
+                back what happened.
+        """
+        timeout = self._timeout_of(timeout_s)
         request = etcdrpc.TxnRequest(
             compare=[self._compare_message(c) for c in compare],
             success=[self._op_message(op) for op in success],
@@ -560,17 +861,7 @@ class EtcdClient:
         )
 
         def call() -> TxnResult:
-            client = self._client
-            try:
-                resp = client.kvstub.Txn(
-                    request,
-                    self._timeout,
-                    credentials=client.call_credentials,
-                    metadata=client.metadata,
-                )
-            except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)
-                raise
+            resp = self._rpc("kvstub", "Txn", request, timeout)
             gets = tuple(
                 tuple(_kv(kv) for kv in r.response_range.kvs)
                 for r in resp.responses
@@ -578,7 +869,7 @@ class EtcdClient:
             )
             return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
 
-        return self._translate("transaction", call)
+        return self._translate("transaction", call, timeout=timeout)
 
     @staticmethod
     def _compare_message(c: Compare) -> Any:
@@ -612,12 +903,27 @@ class EtcdClient:
 
     # leases ---------------------------------------------------------------------
 
-    def grant_lease(self, ttl_s: int) -> int:
-        """Grant a lease of ``ttl_s`` seconds (etcd raises anything below ~2 s)."""
+    def grant_lease(self, ttl_s: int, *, timeout_s: float | None = None) -> int:
+        """Grant a lease of ``ttl_s`` seconds (etcd raises anything below ~2 s).
+
+        Args:
+            ttl_s: the lease's time to live.
+            timeout_s: deadline of this call, if shorter than the client's. A
+                grant that timed out may have created a lease nobody knows
+                of; it holds no key and expires after ``ttl_s``.
+        """
         if ttl_s < 1:
             raise ValueError(f"lease ttl ({ttl_s}) must be at least 1 second")
-        lease = self._translate(f"grant lease ttl={ttl_s}", lambda: self._client.lease(ttl_s))
-        return int(lease.id)
+        timeout = self._timeout_of(timeout_s)
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl_s, ID=0)
+        resp = self._translate(
+            f"grant lease ttl={ttl_s}",
+            lambda: self._rpc("leasestub", "LeaseGrant", request, timeout),
+            timeout=timeout,
+        )
+        if resp.error:
+            raise EtcdError(f"etcd refused to grant a lease of {ttl_s} s: {resp.error}")
+        return int(resp.ID)
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting its keys. A lease already gone is not an error."""
@@ -638,26 +944,15 @@ class EtcdClient:
             LeaseExpiredError: the lease no longer exists.
             EtcdUnavailableError: etcd did not answer in time.
         """
-        timeout = self._timeout if timeout_s is None else min(timeout_s, self._timeout)
+        timeout = self._timeout_of(timeout_s)
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
 
         def call() -> int:
-            client = self._client
-            request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
-            try:
-                responses = list(
-                    client.leasestub.LeaseKeepAlive(
-                        iter([request]),
-                        timeout,
-                        credentials=client.call_credentials,
-                        metadata=client.metadata,
-                    )
-                )
-            except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)
-                raise
+            # A stream of one request; list() reads until etcd ends the stream.
+            responses = list(self._rpc("leasestub", "LeaseKeepAlive", iter([request]), timeout))
             return int(responses[0].TTL) if responses else 0
 
-        ttl = self._translate(f"refresh lease {lease_id:x}", call)
+        ttl = self._translate(f"refresh lease {lease_id:x}", call, timeout=timeout)
         if ttl <= 0:
             raise LeaseExpiredError(f"lease {lease_id:x} has expired")
         return ttl
@@ -671,21 +966,16 @@ class EtcdClient:
 
     # cluster --------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """The answering member's version, db size, raft term and the store revision."""
+    def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """The answering member's version, db size, raft term and the store revision.
+
+        Args:
+            timeout_s: deadline of this call, if shorter than the client's.
+        """
+        timeout = self._timeout_of(timeout_s)
 
         def call() -> dict[str, Any]:
-            client = self._client
-            try:
-                resp = client.maintenancestub.Status(
-                    etcdrpc.StatusRequest(),
-                    self._timeout,
-                    credentials=client.call_credentials,
-                    metadata=client.metadata,
-                )
-            except grpc.RpcError as exc:
-                client._manage_grpc_errors(exc)
-                raise
+            resp = self._rpc("maintenancestub", "Status", etcdrpc.StatusRequest(), timeout)
             return {
                 "version": resp.version,
                 "db_size": resp.dbSize,
@@ -694,7 +984,7 @@ class EtcdClient:
                 "revision": resp.header.revision,
             }
 
-        return self._translate("status", call)
+        return self._translate("status", call, timeout=timeout)
 
     def compact(self, revision: int) -> None:
         """Compact the history up to ``revision``; watches older than it fail."""
@@ -718,21 +1008,30 @@ class EtcdClient:
             progress_notify=True,
         )
 
+        opened_on: list[str] = []
+
         def open_call(requests: Iterator[Any]) -> Any:
             client = self._client
             stub = etcdrpc.WatchStub(client.channel)
+            if client.used is not None:
+                opened_on.append(client.used)
             return stub.Watch(
                 requests, credentials=client.call_credentials, metadata=client.metadata
             )
+
+        def blame(exc: grpc.RpcError | None) -> None:
+            if opened_on:
+                self._client.blame(exc, opened_on[0])
 
         return WatchStream(
             what=f"watch {key}",
             create=etcdrpc.WatchRequest(create_request=create),
             open_call=lambda requests: self._translate(
-                f"watch {key}", lambda: open_call(requests)
+                f"watch {key}", lambda: open_call(requests), round_trip=False
             ),
             translate=self._from_rpc_error,
             create_timeout_s=self._timeout,
+            blame=blame,
         )
 
 
@@ -750,8 +1049,10 @@ class WatchStream:
         open_call: Callable[[Iterator[Any]], Any],
         translate: Callable[[str, grpc.RpcError], EtcdError],
         create_timeout_s: float,
+        blame: Callable[[grpc.RpcError | None], None] | None = None,
     ) -> None:
         self._what = what
+        self._blame = blame
         self._requests: queue.Queue[Any] = queue.Queue()
         self._requests.put(create)
         self._translate = translate
@@ -823,6 +1124,10 @@ class WatchStream:
         except grpc.RpcError as exc:
             if self._cancelled.is_set():
                 return
+            # The member the watch went to failed it: the re-list and re-watch
+            # that follow should go elsewhere.
+            if self._blame is not None:
+                self._blame(None if self._create_timed_out else exc)
             if self._create_timed_out:
                 raise EtcdUnavailableError(
                     f"{self._what}: etcd did not open the watch in time"

@@ -10,6 +10,17 @@ longer exists, the lease is *lost*: the keeper calls ``on_lost`` once and
 stops. It never re-grants by itself; the owner (a node registration, an
 election candidate) decides what a lost lease means for it.
 
+With several etcd endpoints, each keep-alive waits at most one keep-alive
+interval for an answer (and never past the lease's deadline). An etcd member
+cut off from the network swallows a keep-alive instead of refusing it;
+waiting on it until the lease runs out would lose the lease with two healthy
+members a failover away. After a missed deadline the client has quarantined
+that member, so the retry goes to another one. Sending a keep-alive again is
+safe whatever became of the first: it only restarts the TTL, and one
+delivered late (after the keeper gave up) keeps the lease on the server for
+at most one more TTL, as an etcd restart does, which owners handle already
+(see below).
+
 Why the keeper's own clock and not etcd's word: a keeper cut off from etcd
 cannot ask. And a restarted etcd gives every lease a full TTL again, so a lease
 the keeper gave up on may linger on the server for one more TTL; owners that
@@ -49,9 +60,16 @@ class LeaseKeeper:
             Not called after :meth:`close`. Exceptions are logged.
         name: what the lease is for, in log lines ("node node-3").
         interval_s: time between keep-alives; ``ttl_s / 3`` by default.
+        call_timeout_s: how long one keep-alive waits for an answer before it is
+            sent again: by default the interval with several etcd endpoints,
+            and the lease's whole remaining time with one (there is no other
+            member to try, so a shorter wait would only turn a slow answer into
+            a retry of the same member). Each retry that follows a failure may
+            wait twice as long; no attempt waits past the lease's deadline.
 
     Raises:
-        ValueError: ``ttl_s`` is below 2 or ``interval_s`` is not below ``ttl_s``.
+        ValueError: ``ttl_s`` is below 2, ``interval_s`` is not below ``ttl_s``
+            or ``call_timeout_s`` is not positive.
     """
 
     def __init__(
@@ -62,15 +80,22 @@ class LeaseKeeper:
         on_lost: Callable[[], None] | None = None,
         name: str = "lease",
         interval_s: float | None = None,
+        call_timeout_s: float | None = None,
     ) -> None:
         if ttl_s < MIN_TTL_S:
             raise ValueError(f"lease ttl_s ({ttl_s}) must be at least {MIN_TTL_S} seconds")
         interval = ttl_s / 3 if interval_s is None else interval_s
         if not 0 < interval < ttl_s:
             raise ValueError(f"keep-alive interval_s ({interval}) must be in (0, ttl_s={ttl_s})")
+        if call_timeout_s is not None and call_timeout_s <= 0:
+            raise ValueError(f"keep-alive call_timeout_s ({call_timeout_s}) must be positive")
         self._client = client
         self.ttl_s = ttl_s
         self._interval = interval
+        if call_timeout_s is None:
+            several = len(client.config.endpoints) > 1
+            call_timeout_s = interval if several else float(ttl_s)
+        self._call_timeout = call_timeout_s
         self._on_lost = on_lost
         self.name = name
         self._lease_id: int | None = None
@@ -177,19 +202,28 @@ class LeaseKeeper:
     def _run(self) -> None:
         lease_id = self.lease_id
         delay = self._interval
+        wait_for_answer = self._call_timeout
         while not self._closed.wait(min(delay, self.remaining_s())):
             if time.monotonic() >= self._expires_at:
                 self._declare_lost(f"no keep-alive succeeded for {self.ttl_s} s")
                 return
             sent_at = time.monotonic()
             try:
-                ttl = self._client.refresh_lease(lease_id, timeout_s=self.remaining_s())
+                # Resending is safe (see the module docstring): a keep-alive
+                # only restarts the TTL, however many arrive.
+                ttl = self._client.refresh_lease(
+                    lease_id, timeout_s=min(wait_for_answer, max(self.remaining_s(), 0.01))
+                )
             except LeaseExpiredError:
                 self._declare_lost("etcd says it no longer exists")
                 return
             except EtcdError as exc:
-                # Transient (etcd restarting, a slow answer): retry soon, with
-                # a backoff, but never past the lease's own deadline.
+                # Transient (etcd restarting, a member cut off, a slow answer):
+                # retry soon, with a backoff, but never past the lease's own
+                # deadline. The client quarantined the member that failed, so
+                # the retry goes to another one; it may wait longer, in case
+                # etcd is slow rather than gone.
+                wait_for_answer *= 2
                 delay = min(
                     self._interval, _FIRST_RETRY_S if delay >= self._interval else delay * 2
                 )
@@ -205,6 +239,7 @@ class LeaseKeeper:
             # it at some moment after that, never before.
             self._expires_at = sent_at + ttl
             delay = self._interval
+            wait_for_answer = self._call_timeout
 
     def _declare_lost(self, why: str) -> None:
         if self._closed.is_set():

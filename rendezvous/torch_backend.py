@@ -18,6 +18,17 @@ as the state is rewritten on each heartbeat), so a finished or abandoned
 job's rendezvous keys disappear by themselves; :func:`delete_rendezvous`
 removes them at once.
 
+Why the state's reads and writes have a deadline of their own: a node is
+alive to its peers while its heartbeat, written into the state, is younger
+than the liveness window (keep-alive interval x attempts, 5 s by default).
+An etcd member cut off from the network does not refuse a call, it swallows
+it; a heartbeat waiting on it for the client's whole timeout would outlive
+the window, and every peer would drop this node. So a state call waits at
+most a fifth of the window (1 s by default, ``etcd_call_timeout``), the
+client quarantines the member that did not answer, and the retry goes to
+another one. With a single etcd endpoint there is no other member to go to,
+and calls keep the client's timeout.
+
 Why TCP-store sharing is turned off: since torch 2.4 the rank-0 agent hosts a
 TCPStore shared with its workers and publishes its address only when it first
 becomes rank 0. A node that joins a later round then waits for a MASTER_ADDR
@@ -44,6 +55,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
     RendezvousStateError,
+    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
@@ -84,6 +96,28 @@ DEFAULT_ETCD_TIMEOUT_S = 10.0
 # torch's agent calls the backend from its monitor loop and dies on the first
 # error, which would turn an etcd restart into a lost job on every node.
 DEFAULT_OUTAGE_GRACE_S = 60.0
+# The first deadline of a rendezvous state call, as a share of the liveness
+# window: one attempt, a retry with twice the deadline and the backoff between
+# them take at most 3/5 of the window. Never below MIN_CALL_TIMEOUT_S: etcd
+# commits a write with an fsync on a majority, which a busy disk slows down.
+CALL_TIMEOUT_SHARE = 0.2
+MIN_CALL_TIMEOUT_S = 0.5
+# torch's own defaults, used when the parameters name no keep-alive settings.
+_TORCH_KEEP_ALIVE_INTERVAL_S = 5
+_TORCH_KEEP_ALIVE_MAX_ATTEMPT = 3
+
+
+def liveness_call_timeout(
+    keep_alive_interval_s: float, keep_alive_max_attempt: int, etcd_timeout_s: float
+) -> float:
+    """The deadline of a rendezvous state call for a given liveness window.
+
+    Returns:
+        ``CALL_TIMEOUT_SHARE`` of ``interval x attempts``, at least
+        ``MIN_CALL_TIMEOUT_S`` and at most ``etcd_timeout_s``.
+    """
+    window = keep_alive_interval_s * keep_alive_max_attempt
+    return min(etcd_timeout_s, max(MIN_CALL_TIMEOUT_S, window * CALL_TIMEOUT_SHARE))
 
 
 def _rendezvous_error(what: str, exc: EtcdError) -> RendezvousConnectionError:
@@ -92,13 +126,27 @@ def _rendezvous_error(what: str, exc: EtcdError) -> RendezvousConnectionError:
 
 def _ride_out_outage(
     what: str,
-    call: Callable[[], T],
+    call: Callable[[float | None], T],
     grace_s: float,
     on_outage: Callable[[], None] | None = None,
+    *,
+    call_timeout_s: float | None = None,
 ) -> T:
-    """Run ``call``; while etcd is unreachable, retry with backoff for ``grace_s``.
+    """Run ``call(timeout_s)``; while etcd is unreachable, retry with backoff for ``grace_s``.
 
-    ``on_outage`` is called at each failed attempt.
+    Only for calls that are safe to send again after an expired deadline (a
+    timed-out write may have been applied): each caller says why its call is.
+
+    Args:
+        what: what the call does, for log lines.
+        call: the call; it gets the deadline of the attempt (None: the client's).
+        grace_s: how long to keep retrying while etcd does not answer.
+        on_outage: called at each failed attempt.
+        call_timeout_s: the first attempt's deadline; each retry gets twice the
+            previous one (the client caps it at its own timeout). A member that
+            swallows packets costs one short deadline, after which the client
+            has quarantined it and the retry goes to another member; an etcd
+            that is merely slow still gets through on a later attempt.
 
     Raises:
         EtcdUnavailableError: etcd stayed unreachable for ``grace_s`` seconds.
@@ -106,9 +154,10 @@ def _ride_out_outage(
     """
     deadline = time.monotonic() + grace_s
     delay = 0.1
+    timeout = call_timeout_s
     while True:
         try:
-            return call()
+            return call(timeout)
         except EtcdUnavailableError as exc:
             if on_outage is not None:
                 on_outage()
@@ -117,6 +166,7 @@ def _ride_out_outage(
             log.warning("etcd unreachable during %s (%s); retrying in %.1f s", what, exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+            timeout = None if timeout is None else timeout * 2
 
 
 class _LeaseCache:
@@ -133,11 +183,16 @@ class _LeaseCache:
         self._lease_id = 0
         self._granted_at = 0.0
 
-    def get(self) -> int:
+    def get(self, timeout_s: float | None = None) -> int:
+        """The lease to write under; ``timeout_s`` bounds a grant, if one is due.
+
+        A grant that timed out and is retried may leave a lease nobody uses:
+        it holds no key and expires after its TTL, so retrying is harmless.
+        """
         with self._lock:
             now = time.monotonic()
             if not self._lease_id or now - self._granted_at > self._ttl_s / 2:
-                self._lease_id = self._client.grant_lease(self._ttl_s)
+                self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
                 self._granted_at = now
             return self._lease_id
 
@@ -145,13 +200,13 @@ class _LeaseCache:
         with self._lock:
             self._lease_id = 0
 
-    def with_lease(self, write: Callable[[int], Any]) -> Any:
+    def with_lease(self, write: Callable[[int], Any], timeout_s: float | None = None) -> Any:
         """Run ``write(lease_id)``; on a vanished lease, grant a new one and retry once."""
         try:
-            return write(self.get())
+            return write(self.get(timeout_s))
         except LeaseExpiredError:
             self.invalidate()
-            return write(self.get())
+            return write(self.get(timeout_s))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -167,6 +222,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         run_id: the rendezvous (job) id; validated, it becomes part of a key.
         key_ttl_s: lifetime of the state key once nobody rewrites it.
         outage_grace_s: how long a call retries while etcd is unreachable.
+        call_timeout_s: the first deadline of each state read or write (then
+            doubled at each retry); None: the client's own timeout. Keep it well
+            below the liveness window: see the module docstring.
     """
 
     def __init__(
@@ -176,11 +234,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         *,
         key_ttl_s: int = DEFAULT_KEY_TTL_S,
         outage_grace_s: float = DEFAULT_OUTAGE_GRACE_S,
+        call_timeout_s: float | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
+        if call_timeout_s is not None and call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s ({call_timeout_s}) must be positive")
         self._client = client
         self._grace_s = outage_grace_s
+        self.call_timeout_s = call_timeout_s
         # When etcd last failed to answer (monotonic clock): heartbeats written
         # around an outage are stale, so liveness judged from them is not trusted.
         self.last_outage: float | None = None
@@ -206,11 +268,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
         try:
+            # A read: safe to send again, to any member.
             kv = _ride_out_outage(
                 "reading the state",
-                lambda: self._client.get(self._key),
+                lambda timeout_s: self._client.get(self._key, timeout_s=timeout_s),
                 self._grace_s,
                 self._mark_outage,
+                call_timeout_s=self.call_timeout_s,
             )
         except EtcdError as exc:
             raise _rendezvous_error("reading the state", exc) from exc
@@ -230,19 +294,32 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 current = self.get_state()
                 return None if current is None else (*current, False)
 
-        def write(lease: int) -> Any:
+        def write(lease: int, timeout_s: float | None) -> Any:
             return self._client.txn(
                 [Compare(self._key, "mod", "==", expected)],
                 success=[Put(self._key, state, lease=lease), Get(self._key)],
                 failure=[Get(self._key)],
+                timeout_s=timeout_s,
             )
 
+        # Why resending after an expired deadline is safe, although the first
+        # attempt may have been applied: the write is guarded on the mod
+        # revision it was computed from, so at most one attempt (or anyone
+        # else's write) wins. If an earlier attempt won, the retry's guard
+        # fails and etcd returns the current state, which holds our change,
+        # with "not written": torch's state holder takes the returned state as
+        # the truth and decides again from it, as after losing any race. An
+        # attempt applied late wins only if nobody wrote since it was sent,
+        # exactly when it would have won on time.
         try:
             result = _ride_out_outage(
                 "writing the state",
-                lambda: self._leases.with_lease(write),
+                lambda timeout_s: self._leases.with_lease(
+                    lambda lease: write(lease, timeout_s), timeout_s
+                ),
                 self._grace_s,
                 self._mark_outage,
+                call_timeout_s=self.call_timeout_s,
             )
         except EtcdError as exc:
             raise _rendezvous_error("writing the state", exc) from exc
@@ -292,8 +369,15 @@ class EtcdV3Store(Store):
         return bytes(value)
 
     def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        # The store keeps the client's full timeout: it is used while a round
+        # forms, not for liveness. Its retries are safe for reads, set and
+        # multi_set (the same values again), delete_key and compare_set (a
+        # resent swap finds the desired value and returns it). An add whose
+        # deadline expired but was applied is counted twice by the retry loop
+        # in :meth:`add`; telling our own write from another's needs a marker
+        # written with it.
         try:
-            return _ride_out_outage(what, call, self._grace_s)
+            return _ride_out_outage(what, lambda _timeout_s: call(), self._grace_s)
         except EtcdError as exc:
             raise DistStoreError(f"etcd-v3 store: {what} failed: {exc}") from exc
 
@@ -475,16 +559,41 @@ def _etcd_config(params: RendezvousParameters) -> EtcdConfig:
     )
 
 
+def _call_timeout(params: RendezvousParameters, config: EtcdConfig) -> float | None:
+    """``etcd_call_timeout`` from the parameters, or the default for their liveness
+    window; None (the client's timeout) by default with a single etcd endpoint."""
+    explicit = params.get("etcd_call_timeout")
+    if explicit is not None:
+        value = float(explicit)
+        if value <= 0:
+            raise ValueError(f"etcd-v3 rendezvous: etcd_call_timeout ({explicit}) must be positive")
+        return min(value, config.timeout_s)
+    if len(config.endpoints) < 2:
+        return None  # no other member to fail over to: a slow answer is still an answer
+    interval = params.get_as_int("keep_alive_interval", _TORCH_KEEP_ALIVE_INTERVAL_S)
+    attempts = params.get_as_int("keep_alive_max_attempt", _TORCH_KEEP_ALIVE_MAX_ATTEMPT)
+    return liveness_call_timeout(
+        float(interval or _TORCH_KEEP_ALIVE_INTERVAL_S),
+        attempts or _TORCH_KEEP_ALIVE_MAX_ATTEMPT,
+        config.timeout_s,
+    )
+
+
 def create_backend(
     params: RendezvousParameters, *, client: EtcdClient | None = None
 ) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     """Create the backend and store of one rendezvous from torchrun's parameters.
 
     Recognised ``--rdzv-conf`` keys besides torch's own: ``etcd_timeout``
-    (seconds per etcd call, default 10), ``etcd_outage_grace`` (seconds a call
-    retries while etcd is unreachable, default 60), ``key_ttl`` (seconds a key
-    outlives its last write, default 7200), ``key_root`` (default ``/tidal``), ``ca_cert``,
-    ``ssl_cert``, ``ssl_cert_key``, ``user`` (password from ``TIDAL_ETCD_PASSWORD``).
+    (seconds per etcd call, default 10), ``etcd_call_timeout`` (first deadline
+    of a rendezvous state read or write; by default, with several etcd
+    endpoints, a fifth of the liveness window ``keep_alive_interval x
+    keep_alive_max_attempt``, at least 0.5 s, and with one the client's own
+    timeout: there is no other member to fail over to),
+    ``etcd_outage_grace`` (seconds a call retries while etcd is unreachable,
+    default 60), ``key_ttl`` (seconds a key outlives its last write, default
+    7200), ``key_root`` (default ``/tidal``), ``ca_cert``, ``ssl_cert``,
+    ``ssl_cert_key``, ``user`` (password from ``TIDAL_ETCD_PASSWORD``).
 
     Raises:
         RendezvousConnectionError: etcd cannot be reached.
@@ -499,7 +608,11 @@ def create_backend(
             raise RendezvousConnectionError(f"etcd-v3 rendezvous: {exc}") from exc
     keys: Keys = client.keys
     backend = EtcdV3RendezvousBackend(
-        client, params.run_id, key_ttl_s=key_ttl, outage_grace_s=grace
+        client,
+        params.run_id,
+        key_ttl_s=key_ttl,
+        outage_grace_s=grace,
+        call_timeout_s=_call_timeout(params, client.config),
     )
     store = EtcdV3Store(
         client, keys.rdzv_store_prefix(params.run_id), key_ttl_s=key_ttl, outage_grace_s=grace
@@ -541,6 +654,14 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
     return create_etcd_v3_handler
 
 
+# torch loads the ``torchrun.handlers`` entry points when its rendezvous package
+# is first imported. When that first import is the one at the top of this
+# module (this module imported before torch's), the entry point names a module
+# still half-built, fails to load, and torch only logs a warning: register the
+# backend now that the module is complete. The same creator twice is a no-op.
+rendezvous_handler_registry.register(BACKEND_NAME, handler_factory())
+
+
 __all__ = [
     "BACKEND_NAME",
     "DEFAULT_RDZV_CONF",
@@ -552,4 +673,5 @@ __all__ = [
     "create_handler_and_backend",
     "delete_rendezvous",
     "handler_factory",
+    "liveness_call_timeout",
 ]

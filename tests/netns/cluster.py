@@ -53,6 +53,8 @@ ETCD_PEER_PORT = 2380
 API_PORT = 8470
 LEASE_TTL_S = 3
 ELECTION_TTL_S = 3
+#: The modules a job runner is started as (``python -m MODULE``): now, and before the zygote.
+RUNNER_MODULES = frozenset({b"agent.runner_main", b"agent.runner"})
 #: What every job's workers need to run gloo across the namespaces (see the module doc).
 WORKER_ENV: dict[str, str] = {}  # the agent sets GLOO_SOCKET_IFNAME itself
 
@@ -195,6 +197,11 @@ class NetnsCluster:
             "--initial-advertise-peer-urls", member.peer_url,
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", self.net.prefix.rstrip("-"),
+            # etcd 3.5 pre-votes by default; 3.4 (Debian's, durable) does not:
+            # there a member cut off for a while campaigns in a loop, and when
+            # it is back its higher term deposes a healthy leader (an election
+            # that fails in-flight calls with "leader changed").
+            "--pre-vote",
             "--logger", "zap", "--log-level", "warn",
         ]
         self.net.spawn(member.host, argv, log_path=member.log_path)
@@ -282,12 +289,12 @@ class NetnsCluster:
         return used
 
     def runner_pids(self, node: str) -> list[int]:
-        """PIDs of the runners (``python -m agent.runner``) on ``node``'s host."""
+        """PIDs of the runners (``python -m agent.runner_main``) on ``node``'s host."""
         found = []
         for pid in self.net.pids(self.agent_hosts[node]):
             with contextlib.suppress(OSError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if b"agent.runner" in argv:
+                if RUNNER_MODULES & set(argv):
                     found.append(pid)
         return found
 

@@ -18,6 +18,7 @@ from rendezvous.client import (
 )
 from rendezvous.errors import EtcdCompactedError, EtcdUnavailableError, LeaseExpiredError
 from rendezvous.etcd_server import EtcdServer, free_port
+from tests.integration.rendezvous.etcd_cluster import wait_stopped
 from tests.support.wait import wait_for
 
 # A bound on a hang, not a performance target: an error must come within the
@@ -164,6 +165,8 @@ def test_a_paused_etcd_fails_calls_within_the_timeout_instead_of_hanging(
         client.put(client.keys.job("j"), b"x")
         lease = client.grant_lease(10)
         fresh_etcd.pause()
+        assert fresh_etcd.pid is not None
+        wait_stopped(fresh_etcd.pid)  # else a call sent at once may still be answered
         try:
             calls: list[tuple[str, Callable[[], object]]] = [
                 ("get", lambda: client.get(client.keys.job("j"))),
