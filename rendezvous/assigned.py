@@ -478,7 +478,9 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 continue
             pending.append(node)
         pending += sorted(expected - joins.keys())
-        if pending or len(joined) < self._min:
+        # Our own record must be in the view: a watch that has not yet
+        # delivered it is older than our join, and would leave us out.
+        if self._node not in joined or pending or len(joined) < self._min:
             return None
         log.debug("round %d can complete: joined %s, expected %s",
                   target, sorted(joined), sorted(expected))
