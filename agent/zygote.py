@@ -124,6 +124,12 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any],
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch_shim, name="tidal-shim-watch", daemon=True).start()
+        try:  # ps and /proc/PID/cmdline show the worker's command, not the zygote's
+            import setproctitle
+
+            setproctitle.setproctitle(" ".join(request["command"]))
+        except ImportError:
+            pass
         os.chdir(request.get("cwd") or os.getcwd())
         os.environ.clear()
         os.environ.update(request["env"])

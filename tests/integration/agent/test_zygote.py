@@ -81,6 +81,18 @@ def test_a_script_runs_forked_with_torch_imported_and_its_exit_code(
     assert record["pid"] != shim.pid
 
 
+def test_the_worker_shows_its_own_command(zygote: ZygoteProcess, tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "wait"])
+    try:
+        record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
+        cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes()
+        assert b"job.py wait" in cmdline and b"agent.zygote" not in cmdline
+    finally:
+        os.killpg(shim.pid, signal.SIGKILL)
+        shim.wait(30)
+
+
 def test_sigterm_reaches_the_worker_and_sigkill_of_the_shim_kills_it(
     zygote: ZygoteProcess, tmp_path: Path
 ) -> None:
