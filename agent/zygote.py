@@ -67,6 +67,8 @@ PRELOAD = (
     "checkpoints",
 )
 MAX_REQUEST = 4 << 20
+# An ignored last argument: the room a forked worker's title may take.
+TITLE_ROOM = "-" * 512
 
 
 def parse_command(command: list[str], python: str) -> tuple[str, str, list[str]] | None:
@@ -109,6 +111,11 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any],
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        log.handlers.clear()  # the worker's logging starts as python's would
+        log.propagate = True
+        log.setLevel(logging.NOTSET)
+        for handler in list(logging.root.handlers):
+            logging.root.removeHandler(handler)
         for fd in inherited:  # the zygote's other sockets are not this worker's
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -275,11 +282,17 @@ class Zygote:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2 or not argv[1].isdigit():
-        sys.stderr.write("usage: python -m agent.zygote SOCKET RUNNER_PID\n")
+    if len(argv) not in (2, 3) or not argv[1].isdigit():
+        sys.stderr.write("usage: python -m agent.zygote SOCKET RUNNER_PID [TITLE_ROOM]\n")
         raise SystemExit(2)
     die_with_parent(expected_parent=int(argv[1]))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s zygote: %(message)s")
+    # Our own handler, not the root logger's: a forked worker's logging
+    # must start as a fresh interpreter's does (its basicConfig must work).
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s zygote: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     import importlib
 
     extra = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
@@ -310,8 +323,11 @@ class ZygoteProcess:
         self._dir = tempfile.mkdtemp(prefix="tidal-zygote-")  # mode 0700: ours alone
         self.path = os.path.join(self._dir, "socket")
         self._proc = subprocess.Popen(  # a fixed argv, never a shell
-            [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid)],
+            [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid), TITLE_ROOM],
             stdin=subprocess.DEVNULL,
+            # setproctitle may then use only the argument area (TITLE_ROOM is
+            # its room), and /proc/PID/environ stays readable for tools.
+            env={**os.environ, "SPT_NOENV": "1"},
             stdout=subprocess.PIPE,  # one line, "ready", once it listens
         )
 

@@ -41,14 +41,14 @@ def cluster(tmp_path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGro
 
 
 def _workers_of(node_id: str) -> list[int]:
-    """The node's processes other than its job runners."""
+    """The node's processes other than its job runners and their zygotes."""
     pids = []
     for pid in processes_of_node(node_id):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"agent.runner" not in cmdline:
+        if b"agent.runner" not in cmdline and b"agent.zygote" not in cmdline:
             pids.append(pid)
     return pids
 

@@ -15,7 +15,9 @@ from agent.zygote import ENV_SOCKET, ZygoteProcess, parse_command
 from tests.support.wait import wait_for
 
 SCRIPT = """
-import json, os, signal, sys, time
+import json, logging, os, signal, sys, time
+logging.basicConfig(format="worker-format %(message)s", level=logging.INFO)
+logging.getLogger("w").info("hello")
 preloaded = "torch" in sys.modules
 import torch
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WORKER_VAR"),
@@ -78,6 +80,7 @@ def test_a_script_runs_forked_with_torch_imported_and_its_exit_code(
     assert record["cwd"] == str(tmp_path)
     assert record["env"] == "w1"
     assert record["name"] == "__main__"
+    assert "worker-format hello" in (tmp_path / "out.log").read_text()  # its own logging
     assert record["pid"] != shim.pid
 
 
@@ -88,6 +91,10 @@ def test_the_worker_shows_its_own_command(zygote: ZygoteProcess, tmp_path: Path)
         record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
         cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes()
         assert b"job.py wait" in cmdline and b"agent.zygote" not in cmdline
+        # The environment block is untouched: tools that look for a node's
+        # processes by their environment still find the worker.
+        environ = Path(f"/proc/{record['pid']}/environ").read_bytes().split(b"\0")
+        assert any(var.startswith(b"PATH=") for var in environ)
     finally:
         os.killpg(shim.pid, signal.SIGKILL)
         shim.wait(30)
