@@ -398,7 +398,8 @@ def run_through(path: str, command: list[str]) -> int | None:
     if not isinstance(code, int):
         return 1  # the zygote died under it: the child died with it (parent-death signal)
     if code < 0:  # end the way the child did, so that torch sees the signal
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 

@@ -113,6 +113,12 @@ def test_sigterm_reaches_the_worker_and_sigkill_of_the_shim_kills_it(
     (tmp_path / "out.log").unlink()
     shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "wait"])
     record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
+    os.kill(int(record["pid"]), signal.SIGKILL)  # the worker dies: torch sees how
+    assert shim.wait(30) == -signal.SIGKILL
+
+    (tmp_path / "out.log").unlink()
+    shim = _shim(zygote, tmp_path, [sys.executable, "job.py", "wait"])
+    record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
     os.killpg(shim.pid, signal.SIGKILL)  # torch's last resort: the worker must follow
     shim.wait(30)
     wait_for(lambda: not _alive(int(record["pid"])), timeout=10, what="the orphan to die")
