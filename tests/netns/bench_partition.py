@@ -14,7 +14,7 @@ Each repetition:
    host of rank 0 in even repetitions, another one in odd ones;
    **recovery** = from the cut to the first step completed at world size 2,
    from the workers' step events; **detected** = from the cut to the first
-   survivor runner's "stopped heartbeating" line; **workers started** = from
+   survivor runner's "peer(s) ... lost" line; **workers started** = from
    the cut to the first new rank log of a survivor; **API** = from the cut
    to ``GET /v1/jobs/{id}`` showing RUNNING at world size 2;
    **steps lost** = the last step before the cut minus the step the survivors
@@ -40,7 +40,7 @@ from tests.netns.cluster import NetnsCluster, last_step, wait_first_step_at, wai
 from tests.support.wait import wait_for
 
 REPEATS = int(os.environ.get("BENCH_PARTITION_REPEATS", "5"))
-HEARTBEAT_LINE = "peer(s) stopped heartbeating"
+HEARTBEAT_LINE = "lost (lost): restarting without them"
 
 
 def _log_time(line: str) -> float | None:
