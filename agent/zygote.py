@@ -4,8 +4,9 @@ A restarted worker used to spend most of its start-up importing torch (about
 1.4 s on the 2-core benchmark machine, 3 s with the first optimizer's
 ``torch._dynamo`` import). The runner therefore starts one *zygote* per job
 before the first rendezvous: ``python -m agent.zygote SOCKET RUNNER_PID``,
-with the job's environment. It imports torch and the modules every DDP script
-uses, then serves on a Unix socket. For each worker that torch elastic starts,
+with the job's environment. It imports torch and what every DDP script uses,
+then serves on a Unix socket, and imports the rest (``torch.optim``,
+``torch._dynamo``, ``checkpoints``) whenever no worker is waiting. For each worker that torch elastic starts,
 :mod:`agent.worker_shim` (the process torch tracks and signals) connects,
 sends the command, environment and working directory as JSON with its stdin,
 stdout and stderr as file descriptors (``SCM_RIGHTS``), and the zygote forks
@@ -57,12 +58,13 @@ log = logging.getLogger("tidal.zygote")
 ENV_SOCKET = "TIDAL_ZYGOTE_SOCKET"
 ENV_SWITCH = "TIDAL_ZYGOTE"  # "0" in a job's environment: no zygote
 ENV_PRELOAD = "TIDAL_ZYGOTE_PRELOAD"  # extra modules to import, comma-separated
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.nn.parallel",
+# Imported before the zygote says it is ready: what every DDP script needs.
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
+# Imported afterwards, while no worker is waiting: a new node joins its job
+# sooner, and only a worker forked before these are in pays for them itself.
+PRELOAD_LATER = (
     "torch.optim",
-    "torch._dynamo",  # what the first optimizer step imports: 1.2 s
+    "torch._dynamo",  # what the first optimizer step imports: 1.3 s
     "torch.distributed.elastic.multiprocessing.errors",
     "checkpoints",
 )
@@ -202,6 +204,7 @@ class Zygote:
     def __init__(self, path: str, python: str) -> None:
         self.python = python
         self.children: dict[int, socket.socket] = {}
+        self.refusing = False
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -214,14 +217,21 @@ class Zygote:
         signal.set_wakeup_fd(self._wake_w.fileno())
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, later: tuple[str, ...] = ()) -> None:
+        """Serve shims; import the modules of ``later`` one by one while none waits."""
         import selectors
 
         selector = selectors.DefaultSelector()
         selector.register(self.server, selectors.EVENT_READ)
         selector.register(self._wake_r, selectors.EVENT_READ)
+        pending = list(later)
         while True:
-            for key, _ in selector.select():
+            events = selector.select(0 if pending else None)
+            if not events and pending:
+                if not _preload(pending.pop(0)):
+                    self.refusing = True  # running workers stay; new ones are exec'ed
+                continue
+            for key, _ in events:
                 if key.fileobj is self._wake_r:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
@@ -244,7 +254,7 @@ class Zygote:
         parsed = None
         if isinstance(request.get("command"), list) and isinstance(request.get("env"), dict):
             parsed = parse_command([str(a) for a in request["command"]], self.python)
-        if parsed is None or len(fds) != 3:
+        if parsed is None or len(fds) != 3 or self.refusing:
             for fd in fds:
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -293,27 +303,34 @@ def main(argv: list[str]) -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    import importlib
 
     extra = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
     # A CUDA context must not exist before fork (the children could not use
     # CUDA): any "is CUDA available?" during the imports asks NVML instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    for module in (*PRELOAD, *extra):
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # a missing optional module only costs speed
-            log.warning("cannot preload %s: %s", module, exc)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        log.error("CUDA was initialised while preloading: not forking workers")
+    if not all(_preload(module) for module in PRELOAD):
         raise SystemExit(1)  # the shims find no zygote and exec the command
     zygote = Zygote(argv[0], sys.executable)
     log.info("zygote ready on %s", argv[0])
     # Tell the runner, then let go of the pipe: fd 1 becomes the log stream.
     os.write(1, b"ready\n")
     os.dup2(2, 1)
-    zygote.serve_forever()
+    zygote.serve_forever(later=(*PRELOAD_LATER, *extra))
+
+
+def _preload(module: str) -> bool:
+    """Import ``module``; False if that left a CUDA context (no fork is safe then)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a missing optional module only costs speed
+        log.warning("cannot preload %s: %s", module, exc)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.error("CUDA was initialised while preloading %s: not forking workers", module)
+        return False
+    return True
 
 
 class ZygoteProcess:
