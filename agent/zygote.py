@@ -6,7 +6,8 @@ A restarted worker used to spend most of its start-up importing torch (about
 before the first rendezvous: ``python -m agent.zygote SOCKET RUNNER_PID``,
 with the job's environment. It imports torch and what every DDP script uses,
 then serves on a Unix socket, and imports the rest (``torch.optim``,
-``torch._dynamo``, ``checkpoints``) whenever no worker is waiting. For each worker that torch elastic starts,
+``torch._dynamo``, ``checkpoints``) whenever no worker is waiting. For each
+worker that torch elastic starts,
 :mod:`agent.worker_shim` (the process torch tracks and signals) connects,
 sends the command, environment and working directory as JSON with its stdin,
 stdout and stderr as file descriptors (``SCM_RIGHTS``), and the zygote forks

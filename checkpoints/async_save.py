@@ -1,10 +1,12 @@
 """Asynchronous saving: snapshot the state off the device, write it in the background.
 
 The training loop is blocked only while :class:`StateSnapshot` copies every
-tensor of the state into buffers it allocated on the first save and reuses on
-every later one (pinned host memory when the state lives on a GPU). Allocating
-fresh buffers each time costs more than the copy itself on CPU (page faults on
-hundreds of MB), which is why they are kept.
+tensor of the state into buffers it keeps from one save to the next (pinned
+host memory when the state lives on a GPU). Allocating fresh buffers each time
+costs more than the copy itself on CPU (page faults on hundreds of MB), which
+is why they are kept; the checkpointer has another thread allocate and fault
+them in before its first save (:meth:`StateSnapshot.prepare`), so that even
+that save only copies.
 
 :class:`BackgroundWriter` then runs serialization, checksumming and disk writes
 in one thread whose scheduling priority is lowered (Linux priorities are per
@@ -15,11 +17,13 @@ released.
 
 Only one save is in flight at a time: the snapshot buffers are reused, so a new
 snapshot must wait until the writer is done with the previous one. The
-checkpointer decides whether to wait or to skip (see docs/checkpoints.md).
+checkpointer decides whether to wait or to skip (see docs/checkpoints.md); the
+snapshot itself refuses to be taken again before the writer released it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -34,7 +38,7 @@ import torch
 
 from checkpoints.errors import CheckpointStateError
 
-__all__ = ["WRITER_NICE", "BackgroundWriter", "StateSnapshot"]
+__all__ = ["WRITER_NICE", "BackgroundWriter", "StateSnapshot", "run_in_background"]
 
 log = logging.getLogger(__name__)
 
@@ -51,60 +55,175 @@ class _Slot:
     index: int
 
 
+#: The dtype and number of elements of each tensor of a state tree, in order.
+_Layout = tuple[tuple[torch.dtype, int], ...]
+
+
+def _layout(tensors: list[torch.Tensor]) -> _Layout:
+    return tuple((t.dtype, t.numel()) for t in tensors)
+
+
 class StateSnapshot:
     """Copies the tensors of a state tree into reusable host buffers, one per dtype.
 
     The tree may nest dicts (any keys), lists and tuples of tensors and plain
     values (numbers, strings, bytes, None, dtypes). Its tensors come back as views
     into one buffer per dtype, so ``torch.save`` writes each dtype as one record.
+
+    The buffers are allocated by the first :meth:`take`, or ahead of it by a
+    :meth:`prepare` job in the background, and again only when the tensors'
+    dtypes or sizes change. A taken snapshot is *held* until :meth:`release`:
+    the background writer releases it once ``torch.save`` is done with the
+    buffers, and a :meth:`take` before that raises rather than overwrite a save
+    in flight.
     """
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[torch.dtype, int], ...] | None = None
+        self._key: _Layout | None = None
+        self._buffers: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
         self._pinned = False
+        self._held = threading.Lock()  # taken, not yet released (by the writer thread)
+        self._swap = threading.Lock()  # a prepare job installs its buffers under this
 
     def take(self, tree: Any) -> Any:
         """Return a copy of ``tree`` whose tensors live in this snapshot's buffers.
 
-        The result stays valid until the next call.
+        The result stays valid until :meth:`release`; the snapshot is held until then.
+
+        Raises:
+            CheckpointStateError: when a leaf is of a type a checkpoint cannot hold.
+            RuntimeError: when the previous snapshot is still held (a save in flight).
+        """
+        tensors: list[torch.Tensor] = []
+        skeleton = _flatten(tree, tensors, "state")
+        if not self._held.acquire(blocking=False):
+            raise RuntimeError(
+                "the snapshot buffers still hold a save in flight: wait for it before the next"
+            )
+        try:
+            with self._swap:
+                views = self._copy(tensors)
+        except BaseException:
+            self._held.release()
+            raise
+        return _unflatten(skeleton, views)
+
+    def prepare(self, tree: Any) -> Callable[[], None] | None:
+        """A job that allocates and faults in the buffers a :meth:`take` of ``tree`` will need.
+
+        Only the dtypes and sizes of the tree's tensors are read, here, on the
+        calling thread. Run the job in any thread, at any time: it builds its
+        buffers apart and installs them only if the snapshot is not held and has
+        no buffers of that layout yet (a take that came first keeps its own). The
+        first take of a tree of that layout then only copies.
+
+        Returns:
+            The job, or None when there is nothing to prepare: the buffers already
+            fit, or the state is on a GPU (its pinned buffers come with the first take).
 
         Raises:
             CheckpointStateError: when a leaf is of a type a checkpoint cannot hold.
         """
         tensors: list[torch.Tensor] = []
-        skeleton = _flatten(tree, tensors, "state")
-        key = tuple((t.dtype, t.numel()) for t in tensors)
-        on_device = any(t.device.type != "cpu" for t in tensors)
-        if key != self._key or (on_device and not self._pinned):
-            self._allocate(tensors, pin=on_device and torch.cuda.is_available())
-            self._key = key
-        with torch.no_grad():
-            for view, source in zip(self._views, tensors, strict=True):
-                view.copy_(source.reshape(view.shape), non_blocking=self._pinned)
-        if on_device and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        views = [v.view(t.shape) for v, t in zip(self._views, tensors, strict=True)]
-        return _unflatten(skeleton, views)
+        _flatten(tree, tensors, "state")
+        key = _layout(tensors)
+        if key == self._key or any(t.device.type != "cpu" for t in tensors):
+            return None
+
+        def job() -> None:
+            buffers, views = _build(key, pin=False)
+            for buffer in buffers:
+                # The page faults happen here rather than in the first take; ctypes
+                # releases the GIL, so training threads keep running meanwhile.
+                if buffer.numel():
+                    ctypes.memset(buffer.data_ptr(), 0, buffer.numel() * buffer.element_size())
+            with self._swap:
+                if self._key != key and not self._held.locked():
+                    self._key, self._buffers, self._views, self._pinned = key, buffers, views, False
+                    log.debug("snapshot buffers prepared: %d bytes", self.nbytes)
+
+        return job
+
+    def release(self) -> None:
+        """Let the next :meth:`take` reuse the buffers (the save that read them is done)."""
+        if self._held.locked():
+            self._held.release()
+
+    @property
+    def held(self) -> bool:
+        """Whether a taken snapshot has not been released yet."""
+        return self._held.locked()
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
-        return sum(v.numel() * v.element_size() for v in self._views)
+        return sum(b.numel() * b.element_size() for b in self._buffers)
 
-    def _allocate(self, tensors: list[torch.Tensor], *, pin: bool) -> None:
-        totals: dict[torch.dtype, int] = {}
-        for t in tensors:
-            totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
-        buffers = {d: torch.empty(n, dtype=d, pin_memory=pin) for d, n in totals.items()}
-        offsets = dict.fromkeys(totals, 0)
-        self._views = []
-        for t in tensors:
-            start = offsets[t.dtype]
-            offsets[t.dtype] = start + t.numel()
-            self._views.append(buffers[t.dtype][start : start + t.numel()].view(-1))
-        self._pinned = pin
-        log.debug("snapshot buffers: %d bytes in %d dtypes", self.nbytes, len(buffers))
+    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = _layout(tensors)
+        on_device = any(t.device.type != "cpu" for t in tensors)
+        pin = on_device and torch.cuda.is_available()
+        if key != self._key or pin != self._pinned:
+            self._key, self._buffers, self._views = None, [], []  # free the old ones first
+            self._buffers, self._views = _build(key, pin=pin)
+            self._key, self._pinned = key, pin
+            log.debug("snapshot buffers: %d bytes", self.nbytes)
+        # Shape the destination like the source (never reshape the source: for a
+        # non-contiguous tensor that would be one more full copy).
+        views = [v.view(t.shape) for v, t in zip(self._views, tensors, strict=True)]
+        with torch.no_grad():
+            for view, source in zip(views, tensors, strict=True):
+                view.copy_(source, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        return views
+
+
+def _build(key: _Layout, *, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One buffer per dtype, and a flat view into it for each tensor of the layout."""
+    totals: dict[torch.dtype, int] = {}
+    for dtype, numel in key:
+        totals[dtype] = totals.get(dtype, 0) + numel
+    buffers = {d: torch.empty(n, dtype=d, pin_memory=pin) for d, n in totals.items()}
+    offsets = dict.fromkeys(totals, 0)
+    views = []
+    for dtype, numel in key:
+        start = offsets[dtype]
+        offsets[dtype] = start + numel
+        views.append(buffers[dtype][start : start + numel])
+    return list(buffers.values()), views
+
+
+def run_in_background(job: Callable[[], None], *, name: str, nice: int = 0) -> threading.Thread:
+    """Run a job nobody waits for in a daemon thread (niceness ``nice``); log its failure.
+
+    For short work that only saves time later (preparing buffers). A daemon
+    thread does not hold up the interpreter's exit.
+
+    Returns:
+        The thread, started.
+    """
+
+    def run() -> None:
+        _lower_priority(nice, name)
+        try:
+            job()
+        except Exception as exc:
+            log.warning("%s failed (nothing lost; it only saves time later): %s", name, exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _lower_priority(nice: int, name: str) -> None:
+    if nice and sys.platform.startswith("linux"):
+        try:
+            # Linux keeps a niceness per thread; this lowers only the calling thread's.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as exc:
+            log.debug("could not lower the priority of %s: %s", name, exc)
 
 
 def _flatten(node: Any, tensors: list[torch.Tensor], where: str) -> Any:
@@ -185,12 +304,7 @@ class BackgroundWriter:
         return not thread.is_alive()
 
     def _run(self, job: Callable[[], None], name: str) -> None:
-        if self._nice and sys.platform.startswith("linux"):
-            try:
-                # Linux keeps a niceness per thread; this lowers only the writer's.
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except OSError as exc:
-                log.debug("could not lower the priority of %s: %s", name, exc)
+        _lower_priority(self._nice, name)
         started = time.monotonic()
         try:
             job()

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +36,13 @@ import torch
 import torch.distributed as dist
 
 from checkpoints import sharded as sharded_io
-from checkpoints.async_save import BackgroundWriter, StateSnapshot
-from checkpoints.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from checkpoints.async_save import BackgroundWriter, StateSnapshot, run_in_background
+from checkpoints.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStateError,
+    CheckpointWriteError,
+)
 from checkpoints.progress import ProgressReporter, create_progress_reporter
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
 from checkpoints.state import (
@@ -53,6 +59,9 @@ __all__ = ["Checkpointer", "Resume", "SaveRecord"]
 log = logging.getLogger(__name__)
 
 _GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+#: How many maybe_save calls may pass without optimizer state before the buffers
+#: are prepared without it (SGD without momentum never has any).
+_PREPARE_CALLS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +154,13 @@ class Checkpointer:
         self._keep, self._async, self._sharded = keep, async_save, sharded
         self._store = CheckpointStore(directory)
         self._init_distributed()
-        self._snapshot = StateSnapshot()
-        self._small_snapshot = StateSnapshot()
+        self._snapshot = StateSnapshot()  # model and optimizer
+        self._small_snapshot = StateSnapshot()  # the rest: step, RNG, scheduler, extras
         self._writer = BackgroundWriter()
+        scheduled = every_steps is not None or every_seconds is not None
+        # Calls of maybe_save left to prepare the snapshot buffers in (see _prepare_buffers).
+        self._prepare_calls = _PREPARE_CALLS if scheduled and not sharded and self.rank == 0 else 0
+        self._preparing: threading.Thread | None = None  # nothing waits for it
         self._stop = StopSignal(grace_seconds=sigterm_grace_seconds)
         if handle_sigterm:
             self._stop.install()
@@ -315,6 +328,8 @@ class Checkpointer:
             self._stop_now(step)
         steps_due = self._every_steps is not None and step % self._every_steps == 0
         if not (steps_due or time_due):
+            if self._prepare_calls:
+                self._prepare_buffers()
             return False
         return self._save(step, wait_for_previous=self._sharded, block=not self._async)
 
@@ -403,44 +418,90 @@ class Checkpointer:
             "extra": extra,
         }
 
+    def _large_state(self) -> dict[str, Any]:
+        return {
+            "model": self._model.state_dict(),
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+        }
+
+    def _prepare_buffers(self) -> None:
+        """Before the first save: allocate and fault in the snapshot buffers in the background.
+
+        Faulting in hundreds of MB of fresh memory costs several times the copy
+        itself; done by a thread ahead of time, the first save only copies (if
+        it comes first, it allocates as before; nothing waits for the thread).
+        The thread runs at normal priority: it is one short pass over memory,
+        and at niceness 19 on a busy machine it lost the race to the first save
+        while slowing it. The optimizer's state (Adam's moments) appears at its
+        first step, so this waits for it, for a few calls at most.
+        """
+        self._prepare_calls -= 1
+        if self._optimizer is not None and not self._optimizer.state and self._prepare_calls:
+            return
+        self._prepare_calls = 0
+        try:
+            job = self._snapshot.prepare(self._large_state())
+        except CheckpointStateError:
+            return  # the first save says what is wrong with the state
+        if job is not None:
+            self._preparing = run_in_background(job, name="checkpoint-buffers")
+
     def _start_replicated(self, step: int, started: float) -> None:
-        tree = self._small_state(step)
-        tree["model"] = self._model.state_dict()
-        tree["optimizer"] = self._optimizer.state_dict() if self._optimizer is not None else None
-        frozen = self._snapshot.take(tree)
+        tree = self._small_snapshot.take(self._small_state(step))
+        try:
+            # Model and optimizer in their own snapshot: the layout _prepare_buffers saw.
+            tree.update(self._snapshot.take(self._large_state()))
+        except BaseException:
+            self._small_snapshot.release()
+            raise
         record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
         self.saves.append(record)
 
+        def release() -> None:
+            self._snapshot.release()
+            self._small_snapshot.release()
+
         def job() -> None:
-            path, manifest = write_replicated(
-                self._store, frozen, step=step, world_size=self.world_size, started=started
-            )
+            try:
+                path, manifest = write_replicated(
+                    self._store, tree, step=step, world_size=self.world_size, started=started
+                )
+            finally:
+                release()  # torch.save is done with the buffers
             self._finish(record, path, manifest, started)
 
-        self._submit(job, record)
+        self._submit(job, record, on_refused=release)
 
     def _start_sharded(self, step: int, started: float, *, block: bool) -> None:
         temp = self._store.new_temp_dir(step, token="sharded")  # noqa: S106 (a name, not a secret)
         state = sharded_io.sharded_state(self._model, self._optimizer)
         small = self._small_snapshot.take(self._small_state(step)) if self.rank == 0 else None
-        future = sharded_io.start_sharded_save(
-            state, temp, group=self._dcp_group, use_async=not block
-        )
+        release = self._small_snapshot.release if small is not None else _nothing
+        try:
+            future = sharded_io.start_sharded_save(
+                state, temp, group=self._dcp_group, use_async=not block
+            )
+        except BaseException:
+            release()
+            raise
         record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
         self.saves.append(record)
 
         def job() -> None:
-            if future is not None:
-                future.result()
-            if small is None:
-                record.save_seconds = time.monotonic() - started
-                return
-            path, manifest = sharded_io.commit_sharded(
-                self._store, temp, small, step=step, world_size=self.world_size, started=started
-            )
+            try:
+                if future is not None:
+                    future.result()
+                if small is None:
+                    record.save_seconds = time.monotonic() - started
+                    return
+                path, manifest = sharded_io.commit_sharded(
+                    self._store, temp, small, step=step, world_size=self.world_size, started=started
+                )
+            finally:
+                release()
             self._finish(record, path, manifest, started)
 
-        self._submit(job, record)
+        self._submit(job, record, on_refused=release)
 
     def _finish(self, record: SaveRecord, path: Path, manifest: Manifest, started: float) -> None:
         """In the writer thread, after a commit: prune, then note the result."""
@@ -450,7 +511,11 @@ class Checkpointer:
         record.path = path
         record.save_seconds = time.monotonic() - started
 
-    def _submit(self, job: Callable[[], None], record: SaveRecord) -> None:
+    def _submit(
+        self, job: Callable[[], None], record: SaveRecord, *, on_refused: Callable[[], None]
+    ) -> None:
+        """Run ``job`` in the writer; ``on_refused`` releases what it would have released."""
+
         def guarded() -> None:
             try:
                 job()
@@ -458,7 +523,11 @@ class Checkpointer:
                 record.error = str(exc)
                 raise
 
-        self._writer.submit(guarded, name=f"checkpoint-step-{record.step}")
+        try:
+            self._writer.submit(guarded, name=f"checkpoint-step-{record.step}")
+        except BaseException:
+            on_refused()
+            raise
 
     def _poll_writer(self) -> None:
         """On the training thread: report a finished save once."""
@@ -493,3 +562,6 @@ class Checkpointer:
             raise error
         raise CheckpointWriteError(f"the last checkpoint save failed: {error}") from error
 
+
+def _nothing() -> None:
+    """Nothing to release (a rank that took no snapshot)."""

@@ -2,10 +2,19 @@
 
 Run with ``make bench`` or
 ``.venv/bin/python -m pytest tests/bench/bench_checkpoint.py -m bench -s``.
-It prints a table (median and worst) of:
+It prints the load average before and after, and a table (median and worst) of:
 
 * the synchronous reference: ``torch.save`` + fsync of the same state;
-* the training-loop stall per save of ``Checkpointer(async_save=True)``;
+* the floor under any snapshot: one copy of the state's bytes between two
+  buffers already faulted in (this machine's memcpy bandwidth), and the
+  snapshot alone (state_dicts + copy into reused buffers, nothing else running);
+* a snapshot into buffers allocated on the spot (the copy page-faults them in):
+  what a first save costs when nothing prepared its buffers;
+* the training-loop stall per save of ``Checkpointer(async_save=True)``: its
+  first save (each round builds a new checkpointer, as a new process does; the
+  buffers were prepared in the background after the first step) and later ones
+  (into the same buffers; one more save after each round, outside the timing,
+  supplies one when the writer was still busy when the round ended);
 * the training time *lost* per save: (time of N steps with saves - time of N
   steps with checkpointing off) / saves; on few cores the background writer
   competes with training, and this is what that costs;
@@ -34,9 +43,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoints as ck
+from checkpoints.async_save import StateSnapshot
 
 WIDTH, LAYERS, BATCH = 2048, 6, 64  # 6 x 2048^2 weights: 25.2M parameters
-STEPS, EVERY, ROUNDS, SYNC_SAVES = 48, 8, 3, 5
+STEPS, EVERY, ROUNDS, SYNC_SAVES, COPIES = 48, 8, 5, 5, 10
 
 
 def make_job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -114,18 +124,61 @@ def consensus_cost(root: Path) -> float:
     return float(result.read_text())
 
 
+def copy_floor(nbytes: int) -> list[float]:
+    """One copy of ``nbytes`` between two buffers already faulted in: no snapshot is faster."""
+    source = torch.ones(nbytes // 4)
+    target = torch.zeros_like(source)
+    out = []
+    for _ in range(COPIES):
+        started = time.perf_counter()
+        target.copy_(source)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def snapshot_alone(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+    """state_dicts + copy into the snapshot's reused buffers, with nothing else running."""
+    snapshot = StateSnapshot()
+    out = []
+    for _ in range(COPIES + 1):
+        started = time.perf_counter()
+        snapshot.take({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        out.append(time.perf_counter() - started)
+        snapshot.release()
+    return out[1:]  # the first take allocates the buffers
+
+
+def unprepared_snapshots(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+    """A first snapshot with nothing prepared: allocating, then faulting in while copying."""
+    out = []
+    for _ in range(3):
+        tree = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        started = time.perf_counter()
+        StateSnapshot().take(tree)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def loads(values: tuple[float, float, float] | None = None) -> str:
+    return " ".join(f"{v:.2f}" for v in values or os.getloadavg())
+
+
 def row(name: str, values: list[float], unit: float = 1.0, fmt: str = "{:8.3f}") -> str:
     med, worst = statistics.median(values) * unit, max(values) * unit
-    return f"| {name:<52} | {fmt.format(med)} | {fmt.format(worst)} |"
+    return f"| {name:<60} | {fmt.format(med)} | {fmt.format(worst)} |"
 
 
 @pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_bench_checkpoint_stall_and_overhead(tmp_path: Path) -> None:
+    load_before = os.getloadavg()
     model, optimizer, step = make_job()
     params = sum(p.numel() for p in model.parameters())
     sync = sync_saves(model, optimizer, tmp_path)
-    stalls: list[float] = []
+    alone = snapshot_alone(model, optimizer)
+    unprepared = unprepared_snapshots(model, optimizer)
+    first_stalls: list[float] = []
+    later_stalls: list[float] = []
     lost: list[float] = []
     save_durations: list[float] = []
     off_overhead: list[float] = []
@@ -140,14 +193,20 @@ def test_bench_checkpoint_stall_and_overhead(tmp_path: Path) -> None:
             tmp_path / f"on-{r}", model=model, optimizer=optimizer, every_steps=EVERY, keep=2
         )
         with_saves = timed_loop(step, on.maybe_save)
-        on.close()
+        on._writer.wait()
         done = [s for s in on.saves if s.save_seconds is not None]
-        state_bytes = on._snapshot.nbytes
-        stalls += [s.stall_seconds for s in done]
+        # The writer is rarely done before the round ends, so one more save, untimed
+        # (not in the time lost), for the stall of a save into reused buffers.
+        on.save(STEPS + 1)
+        on.close()
+        state_bytes = on._snapshot.nbytes + on._small_snapshot.nbytes
+        first_stalls += [s.stall_seconds for s in done[:1]]
+        later_stalls += [s.stall_seconds for s in list(on.saves)[1:]]
         save_durations += [s.save_seconds for s in done if s.save_seconds is not None]
         lost.append((sum(with_saves) - sum(with_off)) / max(len(done), 1))
         off_overhead.append(sum(with_off) / sum(plain) - 1.0)
         step_times += plain
+    floor = copy_floor(state_bytes)
     # The overhead of maybe_save alone, without timing noise from the steps around it.
     idle = ck.Checkpointer(tmp_path / "idle", model=model, optimizer=optimizer)
     started = time.perf_counter()
@@ -157,16 +216,24 @@ def test_bench_checkpoint_stall_and_overhead(tmp_path: Path) -> None:
     idle.close()
     consensus = consensus_cost(tmp_path)
     median = statistics.median
-    median_step = median(step_times)
+    median_step, median_sync = median(step_times), median(sync)
+    stalls = first_stalls + later_stalls
     lines = [
         f"model: {params / 1e6:.1f}M parameters + Adam, {state_bytes / 1e6:.0f} MB of state; "
         f"{torch.get_num_threads()} threads; saves every {EVERY} of {STEPS} steps, {ROUNDS} rounds",
+        f"load average (1, 5, 15 min) before: {loads(load_before)}, after: {loads()}",
+        f"memcpy bandwidth: {state_bytes / median(floor) / 1e9:.1f} GB/s",
         "| measure | median | worst |",
         "|---|---|---|",
         row("training step (s)", step_times),
         row("sync torch.save + fsync, blocks (s)", sync),
-        row("async save: training-loop stall per save (s)", stalls),
-        row("async save: stall / sync save (%)", [s / median(sync) for s in stalls], 100),
+        row("floor: one copy of the state's bytes, memory faulted in (s)", floor),
+        row("snapshot alone: state_dicts + copy into reused buffers (s)", alone),
+        row("snapshot into buffers allocated on the spot (s)", unprepared),
+        row("async save: stall, first save of a checkpointer (s)", first_stalls),
+        row("async save: stall, later saves (s)", later_stalls),
+        row("async save: stall, all saves (s)", stalls),
+        row("async save: stall / sync save, all saves (%)", [s / median_sync for s in stalls], 100),
         row("async save: time lost per save, stall included (s)", lost),
         row("async save: background save duration (s)", save_durations),
         row("checkpointing off: step-time overhead, loop (%)", off_overhead, 100),

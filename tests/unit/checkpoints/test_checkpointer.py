@@ -1,4 +1,4 @@
-"""The Checkpointer in one process: round trip, schedule, skip policy, stop, failures, snapshot."""
+"""The Checkpointer in one process: round trip, schedule, skip policy, stop, failures."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 
 import checkpoints as ck
 import checkpoints.checkpointer as checkpointer_module
-from checkpoints.async_save import StateSnapshot
 from checkpoints.errors import CheckpointStateError
 
 
@@ -207,21 +206,3 @@ def test_extras_must_be_a_dict_of_checkpointable_values(tmp_path: Path) -> None:
         ckpt.save(1)
     ckpt.close()
 
-
-def test_the_snapshot_reuses_its_buffers_and_copies_values() -> None:
-    snapshot = StateSnapshot()
-    source = {
-        "a": torch.ones(3),
-        "b": [torch.zeros(2, 2, dtype=torch.float64), 7],
-        "c": torch.ones(()),
-    }
-    first = snapshot.take(source)
-    pointer = first["a"].data_ptr()
-    source["a"].add_(1)
-    second = snapshot.take(source)
-    assert second["a"].data_ptr() == pointer  # same buffer, no new allocation
-    assert torch.equal(second["a"], torch.full((3,), 2.0))
-    assert second["b"][1] == 7 and second["b"][0].shape == (2, 2) and second["c"].shape == ()
-    assert second["a"].data_ptr() != source["a"].data_ptr()  # a copy, not the live tensor
-    # One buffer per dtype: float32 tensors share a storage.
-    assert second["a"].untyped_storage().data_ptr() == second["c"].untyped_storage().data_ptr()
