@@ -53,6 +53,16 @@ def probe(addr: str, port: int, *, timeout_s: float = 0.5) -> Probe:
         return Probe.UNKNOWN
 
 
+def _closed(sock: socket.socket) -> bool:
+    """Read what a readable socket holds; True if its peer closed it (or it broke)."""
+    try:
+        return not sock.recv(4096)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 class LivenessServer:
     """Accept peers' connections and hold them open until this process ends.
 
@@ -91,13 +101,7 @@ class LivenessServer:
                     conn.setblocking(False)
                     self._selector.register(conn, selectors.EVENT_READ, "peer")
                     continue
-                try:
-                    data = sock.recv(4096)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
+                if _closed(sock):
                     self._selector.unregister(sock)
                     sock.close()
 
@@ -181,13 +185,7 @@ class PeerMonitor:
                         self._wake_r.recv(4096)
                     continue
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                try:
-                    data = sock.recv(4096)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    data = b""
-                if data:
+                if not _closed(sock):
                     continue
                 with self._lock:
                     if sock.fileno() == -1 or sock not in (
