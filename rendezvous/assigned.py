@@ -569,12 +569,13 @@ class AssignedRendezvousHandler(RendezvousHandler):
         node = key[len(self._joins_prefix):]
         members = {m.node: m for m in self._mine.members} if self._mine else {}
         if event.kind == "delete":
-            old = self._joins.pop(node, None)
+            self._joins.pop(node, None)
             if node in members and node != self._node:
-                # Its lease ended (hung, cut off or gone) or it left.
+                # Its lease ended (hung, cut off, gone, or it could not reach
+                # etcd) or it left: this round is over. Not "dead": a runner
+                # that lost its lease to an etcd outage puts the same record
+                # back, and must then be waited for again.
                 self._lost.add(node)
-                if old is not None:
-                    self._dead.add(old.member.incarnation)
             return
         join = JoinRecord.from_json(event.value)
         if join.member.node != node:

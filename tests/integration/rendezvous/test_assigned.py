@@ -194,3 +194,24 @@ def test_a_malformed_record_is_ignored(make: Make, etcd_client: EtcdClient,
                                               "port": 1, "incarnation": "i"}).encode())
     infos = together(make("a"))
     assert infos[0].world_size == 1
+
+
+def test_a_member_whose_record_lapsed_and_came_back_is_waited_for(
+    make: Make, etcd_client: EtcdClient, etcd_config: EtcdConfig
+) -> None:
+    # What an etcd member's death can do: a runner's lease lapses, its record
+    # is deleted, and the runner puts the same record back. The others restart
+    # (the round is over) but must not take that node for dead: three
+    # rounds of one would follow (a split brain seen in tests/netns).
+    nodes = {"a", "b", "c"}
+    a, b, c = (make(n, expected=nodes) for n in sorted(nodes))
+    together(a, b, c)
+    key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/c"
+    record = etcd_client.get(key)
+    assert record is not None
+    etcd_client.delete(key)
+    change = wait_for(a.pending_change, timeout=10, what="a to see c's record gone")
+    assert (change.kind, change.nodes) == ("lost", frozenset({"c"}))
+    c._announce(1)  # the record back, same incarnation, as after a lapsed lease
+    infos = together(a, b, c)
+    assert [i.world_size for i in infos] == [3, 3, 3]
