@@ -12,6 +12,17 @@ reconciles, level-triggered, what should run against what runs:
   rendezvous, the others go on), then SIGKILL after the grace period;
 * a runner that exited: remember the generation, never rerun it.
 
+Warm runners: while the node has a free slot, the daemon keeps one runner
+started ahead of the next job (``python -m agent.runner_main --warm``). It
+starts its zygote and imports torch elastic at once, then waits on stdin.
+When a job is assigned, the daemon writes the spec's path to it instead of
+starting a new process, and the runner's log file is renamed into the job's
+directory. A new node therefore joins a job as soon as its assignment arrives
+rather than after ``python`` + ``import torch`` (1.5 to 3 s), and a node
+that takes one job after another starts each at once. The next warm runner
+starts a while after one is taken (not at once: it would compete for the CPU
+with the job starting), and not while the node's slots are all in use.
+
 Runners are started from the main thread with the parent-death signal set, so
 a SIGKILLed daemon takes its runners, and they their workers, with it.
 """
@@ -35,6 +46,7 @@ from pydantic import ValidationError
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import EXIT_STOPPED, RunnerSpec
+from agent.zygote import TITLE_ROOM
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.records import Assignment
 from rendezvous.registry import (
@@ -53,6 +65,18 @@ class _Runner:
     assignment: Assignment
     process: subprocess.Popen[bytes]
     stop_deadline: float | None = None  # set once SIGTERM was sent
+
+
+@dataclass
+class _Warm:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+#: Seconds after a warm runner is taken before the next one starts.
+WARM_REFILL_DELAY_S = 10.0
+#: Seconds before replacing a warm runner that died on its own (doubles up to 5 min).
+WARM_RETRY_S = 30.0
 
 
 @dataclass
@@ -81,6 +105,10 @@ class Agent:
         self._jobs_seen: set[str] = set()
         self.metrics: AgentMetrics | None = None
         self.metrics_port: int | None = None
+        self._warm: _Warm | None = None
+        self._warm_due = 0.0  # monotonic time from which a warm runner may start
+        self._warm_retry_s = WARM_RETRY_S
+        self._warm_started = 0
 
     def _job_ids(self) -> list[str]:
         with self._jobs_lock:
@@ -109,8 +137,13 @@ class Agent:
         """Register, follow assignments until :meth:`stop`, then clean up."""
         settings = self.settings
         settings.run_dir.mkdir(parents=True, exist_ok=True)
-        self._client = client = create_client(settings.etcd_config())
+        self._keep_warm()  # first: its imports overlap with everything below
         registration: NodeRegistration | None = None
+        try:
+            self._client = client = create_client(settings.etcd_config())
+        except BaseException:
+            self._discard_warm()
+            raise
         try:
             registration = self._register(client)
             self._serve_metrics(client)
@@ -126,8 +159,10 @@ class Agent:
                 self._wake.clear()
                 if self._watcher.synced:
                     self.reconcile(self._desired())
+                self._keep_warm()
             self._stop_all_runners()
         finally:
+            self._discard_warm()
             if self._watcher is not None:
                 self._watcher.stop()
             if registration is not None:
@@ -229,29 +264,118 @@ class Agent:
             lease_ttl_s=self.settings.lease_ttl_s,
         )
         spec_path = job_dir / "runner-spec.json"
-        spec_path.write_text(spec.model_dump_json())
-        spec_path.chmod(0o600)  # it may hold etcd credentials and job secrets
-        with open(job_dir / "runner.log", "ab") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "agent.runner_main", str(spec_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                # Marks the runner (and so its workers) as this node's and this job's.
-                env=self._runner_env(assignment),
-            )
+        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(spec.model_dump_json())  # it may hold etcd credentials and job secrets
+        process = self._take_warm(assignment.job_id, spec_path, job_dir / "runner.log")
+        if process is None:
+            with open(job_dir / "runner.log", "ab") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "agent.runner_main", str(spec_path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    # Marks the runner (and so its workers) as this node's and this job's.
+                    env=self._runner_env(assignment.job_id),
+                )
+            log.info("started runner %d for job %s", process.pid, assignment.job_id)
         self.state.runners[assignment.job_id] = _Runner(assignment, process)
         with self._jobs_lock:
             self._jobs_seen.add(assignment.job_id)
-        log.info("started runner %d for job %s", process.pid, assignment.job_id)
 
-    def _runner_env(self, assignment: Assignment) -> dict[str, str]:
+    def _runner_env(self, job_id: str | None) -> dict[str, str]:
         """The runner's environment: marks it as this node's and job's; carries the
         etcd password, which the spec file (JSON, on disk) never holds."""
-        env = dict(os.environ, TIDAL_NODE_ID=self.settings.node_id, TIDAL_JOB_ID=assignment.job_id)
+        env = dict(os.environ, TIDAL_NODE_ID=self.settings.node_id)
+        if job_id is not None:
+            env["TIDAL_JOB_ID"] = job_id
         if self.settings.etcd_password is not None:
             env["TIDAL_ETCD_PASSWORD"] = self.settings.etcd_password.get_secret_value()
         return env
+
+    # warm runners ----------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        used = sum(r.assignment.nproc_per_node for r in self.state.runners.values())
+        return self.settings.slots - used
+
+    def _keep_warm(self) -> None:
+        """Start a warm runner if there is none, a slot is free and it is time."""
+        if not self.settings.warm_runner:
+            return
+        warm = self._warm
+        if warm is not None:
+            code = warm.process.poll()
+            if code is None:
+                return
+            log.warning("warm runner %d exited with %d (log: %s); next one in %.0f s",
+                        warm.process.pid, code, warm.log_path, self._warm_retry_s)
+            self._warm = None
+            self._warm_due = time.monotonic() + self._warm_retry_s
+            self._warm_retry_s = min(self._warm_retry_s * 2, 300.0)
+            return
+        if self._stop.is_set() or time.monotonic() < self._warm_due or self._free_slots() < 1:
+            return
+        warm_dir = self.settings.run_dir / "warm"
+        warm_dir.mkdir(parents=True, exist_ok=True)
+        self._warm_started += 1
+        log_path = warm_dir / f"runner-{os.getpid()}-{self._warm_started}.log"
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                # TITLE_ROOM: room for the title it takes with a job (see runner_main).
+                [sys.executable, "-m", "agent.runner_main", "--warm", TITLE_ROOM],
+                stdin=subprocess.PIPE,  # the spec's path, or end-of-file to discard it
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**self._runner_env(None), "SPT_NOENV": "1"},
+            )
+        self._warm = _Warm(process, log_path)
+        log.info("warm runner %d started for the next job", process.pid)
+
+    def _take_warm(
+        self, job_id: str, spec_path: Path, log_path: Path
+    ) -> subprocess.Popen[bytes] | None:
+        """Hand ``spec_path`` to the warm runner, if one is alive; it becomes the job's."""
+        warm, self._warm = self._warm, None
+        if warm is None:
+            return None
+        self._warm_due = time.monotonic() + WARM_REFILL_DELAY_S
+        if warm.process.poll() is not None:
+            log.warning("warm runner %d had exited with %d (log: %s)",
+                        warm.process.pid, warm.process.returncode, warm.log_path)
+            return None
+        # Its output (and its zygote's) goes on into the same file, now the job's.
+        if log_path.exists():
+            log_path = log_path.with_name(f"runner-{warm.process.pid}.log")
+        warm.log_path.rename(log_path)
+        assert warm.process.stdin is not None
+        try:
+            warm.process.stdin.write(f"{spec_path}\n".encode())
+            warm.process.stdin.close()
+        except OSError as exc:  # it died just now: start a cold one instead
+            log.warning("warm runner %d is gone (%s)", warm.process.pid, exc)
+            with contextlib.suppress(ProcessLookupError):
+                warm.process.kill()
+            warm.process.wait()
+            return None
+        self._warm_retry_s = WARM_RETRY_S
+        log.info("warm runner %d takes job %s (log: %s)", warm.process.pid, job_id, log_path)
+        return warm.process
+
+    def _discard_warm(self) -> None:
+        """Stop the warm runner: end-of-file on its stdin, SIGKILL if it lingers."""
+        warm, self._warm = self._warm, None
+        if warm is None:
+            return
+        assert warm.process.stdin is not None
+        with contextlib.suppress(OSError):
+            warm.process.stdin.close()
+        try:
+            warm.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            warm.process.kill()
+            warm.process.wait()
+        with contextlib.suppress(OSError):
+            warm.log_path.unlink()
 
     def _stop_runner(self, job_id: str, runner: _Runner) -> None:
         if runner.stop_deadline is not None:

@@ -1,9 +1,18 @@
-"""The job runner's entry point: ``python -m agent.runner_main SPEC.json``.
+"""The job runner's entry point: ``python -m agent.runner_main SPEC.json | --warm``.
 
 It does what needs no torch first, the working directory, the environment
 and the start of the job's zygote (:mod:`agent.zygote`), and only then
 imports :mod:`agent.runner` (torch elastic, about 1.5 s), so that the
 zygote's imports and the runner's overlap.
+
+With ``--warm`` it is started by the daemon before any job is assigned (a
+*warm runner*): it starts its zygote and imports torch elastic at once, then
+waits for the path of its spec on stdin. A node that has been up a few
+seconds so starts a job's workers without paying for ``python`` and
+``import torch`` again. The zygote imported torch with the daemon's
+environment, so a job that sets an import-time variable (``PYTHONPATH``,
+``LD_PRELOAD``, ``TORCH_*``, ...; see :func:`import_time_differences`)
+gets a new zygote started with its own.
 """
 
 from __future__ import annotations
@@ -12,17 +21,19 @@ import logging
 import os
 import sys
 from pathlib import Path
-
-from pydantic import SecretStr
+from typing import TYPE_CHECKING
 
 from agent.lifeline import die_with_parent
-from agent.netif import socket_interface_env
-from agent.spec import RunnerSpec
 from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
+
+if TYPE_CHECKING:
+    from agent.spec import RunnerSpec
 
 
 def prepare_environment(spec: RunnerSpec) -> Path:
     """Working directory and environment the workers inherit; returns the progress dir."""
+    from agent.netif import socket_interface_env
+
     job = spec.assignment
     progress_dir = spec.job_dir / "progress"
     progress_dir.mkdir(parents=True, exist_ok=True)
@@ -44,30 +55,75 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     return progress_dir
 
 
+#: Variables that shape what ``import torch`` sets up (library paths, the
+#: import path, allocator and threading runtimes, the zygote's own switches).
+#: A warm runner's zygote imported torch before the job's environment was
+#: known; if the job sets any of these differently, a new zygote starts with it.
+_IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "TORCH",
+    "PYTORCH",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "CUDA_",
+    "MALLOC_",
+    "TIDAL_ZYGOTE",
+)
+#: ... except these, which a forked worker applies itself or which torch reads later.
+_APPLIED_AFTER_FORK = frozenset(
+    {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TIDAL_ZYGOTE_SOCKET"}
+)
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        sys.stderr.write("usage: python -m agent.runner_main SPEC.json\n")
-        return 2
-    spec = RunnerSpec.model_validate_json(Path(argv[0]).read_text())
-    # The password comes through the environment, never the spec file; the
-    # workers inherit this process's environment, so take it out.
-    password = os.environ.pop("TIDAL_ETCD_PASSWORD", None)
-    spec = spec.model_copy(
-        update={"etcd": spec.etcd.model_copy(update={"password": SecretStr(password)})}
-        if password
-        else {"etcd": spec.etcd.model_copy(update={"password": None})}
+
+def import_time_differences(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """Names of import-time variables that differ between two environments."""
+    return sorted(
+        name
+        for name in before.keys() | after.keys()
+        if name.startswith(_IMPORT_TIME_PREFIXES)
+        and name not in _APPLIED_AFTER_FORK
+        and before.get(name) != after.get(name)
     )
-    die_with_parent(expected_parent=spec.parent_pid)
+
+
+def load_spec(path: Path) -> RunnerSpec:
+    """The daemon's spec, with the etcd password from the environment.
+
+    The password comes through the environment, never the spec file; the
+    workers inherit this process's environment, so it is taken out.
+    """
+    from pydantic import SecretStr
+
+    from agent.spec import RunnerSpec
+
+    spec = RunnerSpec.model_validate_json(path.read_text())
+    password = os.environ.pop("TIDAL_ETCD_PASSWORD", None)
+    return spec.model_copy(
+        update={
+            "etcd": spec.etcd.model_copy(
+                update={"password": SecretStr(password) if password else None}
+            )
+        }
+    )
+
+
+def _configure_logging(job_id: str) -> None:
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s runner[{spec.assignment.job_id}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s runner[{job_id}] %(name)s: %(message)s",
+        force=True,
     )
-    progress_dir = prepare_environment(spec)
-    zygote = None
-    if spec.assignment.env.get(ENV_SWITCH) != "0":
-        zygote = ZygoteProcess(os.getpid())  # imports torch beside us
-        os.environ[ENV_SOCKET] = zygote.path
+
+
+def _start_zygote() -> ZygoteProcess:
+    zygote = ZygoteProcess(os.getpid())  # imports torch beside us
+    os.environ[ENV_SOCKET] = zygote.path
+    return zygote
+
+
+def _run(spec: RunnerSpec, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
     try:
         from agent.runner import run  # torch: about 1.5 s
 
@@ -76,6 +132,82 @@ def main(argv: list[str]) -> int:
         if zygote is not None:
             zygote.close()
 
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--warm"] and len(argv) <= 2:  # [TITLE_ROOM]
+        return warm_main()
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m agent.runner_main SPEC.json | --warm [TITLE_ROOM]\n")
+        return 2
+    spec = load_spec(Path(argv[0]))
+    die_with_parent(expected_parent=spec.parent_pid)
+    _configure_logging(spec.assignment.job_id)
+    progress_dir = prepare_environment(spec)
+    zygote = None if spec.assignment.env.get(ENV_SWITCH) == "0" else _start_zygote()
+    return _run(spec, progress_dir, zygote)
+
+
+def warm_main() -> int:
+    """A runner started before its job is known (see agent.daemon, warm runners).
+
+    It starts its zygote and imports torch elastic at once, then reads the
+    path of its spec from stdin: the daemon writes it when a job is assigned
+    to the node, or closes stdin to discard the runner. Until then it costs
+    memory, not CPU.
+    """
+    die_with_parent(expected_parent=os.getppid())
+    _configure_logging("warm")
+    zygote = None if os.environ.get(ENV_SWITCH) == "0" else _start_zygote()
+    zygote_env = dict(os.environ)
+    try:
+        import agent.runner  # noqa: F401  # torch: about 1.5 s, while no job waits
+
+        line = sys.stdin.readline().strip()
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
+    if not line:  # discarded
+        if zygote is not None:
+            zygote.close()
+        return 0
+    spec = load_spec(Path(line))
+    if spec.parent_pid != os.getppid():  # the daemon that started us hands us the job
+        sys.stderr.write(f"spec {line} is for a runner of process {spec.parent_pid}\n")
+        return 2
+    _configure_logging(spec.assignment.job_id)
+    log = logging.getLogger("tidal.runner")
+    log.info(
+        "warm runner %d takes job %s (generation %d)",
+        os.getpid(),
+        spec.assignment.job_id,
+        spec.assignment.generation,
+    )
+    _retitle(f"{sys.executable} -m agent.runner_main {line}")
+    progress_dir = prepare_environment(spec)
+    if zygote is not None and spec.assignment.env.get(ENV_SWITCH) == "0":
+        zygote.close()
+        zygote = None
+        os.environ.pop(ENV_SOCKET, None)
+    elif zygote is not None and (changed := import_time_differences(zygote_env, dict(os.environ))):
+        log.info("the job sets %s: starting a zygote with its environment", ", ".join(changed))
+        zygote.close()
+        zygote = _start_zygote()
+    return _run(spec, progress_dir, zygote)
+
+
+def _retitle(title: str) -> None:
+    """Make ``ps`` show what a runner started for this job would show.
+
+    The daemon started us with ``SPT_NOENV`` and room in our arguments, so
+    the title fits there and ``/proc/PID/environ`` is left alone.
+    """
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
+    os.environ.pop("SPT_NOENV", None)  # not for the workers
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class AgentSettings(EtcdSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     stop_grace_s: float = Field(default=30.0, gt=0, le=3600)
     log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
+    # Keep a runner (and its zygote) started ahead of the next job; see agent.daemon.
+    warm_runner: bool = True
 
     @field_validator("node_id")
     @classmethod

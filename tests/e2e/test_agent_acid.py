@@ -90,7 +90,8 @@ def test_agents_losing_and_gaining_nodes_end_with_the_uninterrupted_parameters(
                  what="world size 3, step 6")
         cluster.kill_agent("c")
         unassign(etcd_client, "c", "mlp")
-        wait_for(lambda: not processes_of_node("c"), timeout=10, what="node c's processes gone")
+        wait_for(lambda: not processes_of_node("c", warm=True), timeout=10,
+                 what="node c's processes gone")
         wait_for(lambda: _state(etcd_client, {"a", "b"}, size=2), timeout=120,
                  what="a and b at world size 2")
         cluster.start_agent("d")

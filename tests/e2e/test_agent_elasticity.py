@@ -86,7 +86,8 @@ def test_job_shrinks_when_an_agent_dies_and_grows_when_one_joins(
         killed_at = time.time()
         cluster.kill_agent("c")
         # The dead agent's runner and workers die with it (parent-death signal).
-        wait_for(lambda: not processes_of_node("c"), timeout=10, what="node c's processes gone")
+        wait_for(lambda: not processes_of_node("c", warm=True), timeout=10,
+                 what="node c's processes gone")
         unassign(etcd_client, "c", "elastic")  # what the coordinator does on node loss
         wait_for(lambda: _world(etcd_client, "elastic", {"a", "b"}, 2), timeout=120,
                  what="a and b at world size 2")
@@ -118,7 +119,7 @@ def test_job_shrinks_when_an_agent_dies_and_grows_when_one_joins(
     # Nothing of any node is left once the agents are gone.
     for node in ("a", "b", "d"):
         cluster.kill_agent(node)
-    wait_for(lambda: not any(processes_of_node(n) for n in "abcd"), timeout=15,
+    wait_for(lambda: not any(processes_of_node(n, warm=True) for n in "abcd"), timeout=15,
              what="every agent's processes gone")
 
 

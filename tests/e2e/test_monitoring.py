@@ -182,21 +182,35 @@ def wait_world_size(prom: Prometheus, job: str, size: int, cluster: LocalCluster
 
 
 def worker_of(cluster: LocalCluster, node_id: str) -> int:
-    """The pid of a training worker that ``node_id`` of this cluster runs."""
-    marker = f"TIDAL_PROGRESS_DIR={cluster.run_root / node_id}".encode()
+    """The pid of a training worker that ``node_id`` of this cluster runs.
+
+    A worker descends from its node's agent, whose command line names the
+    node's run directory. (Its environment in /proc is no marker: a worker
+    forked by a warm runner's zygote shows the agent's.)
+    """
+    run_dir = str(cluster.run_root / node_id).encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
         except OSError:
             continue
         if str(MLP).encode() in cmdline and b"worker_shim" not in cmdline and any(
-            var.startswith(marker) for var in environ.split(b"\0")
+            run_dir + b" " in ancestor + b" " for ancestor in _ancestors(int(entry.name))
         ):
             return int(entry.name)
     raise AssertionError(f"no worker of {node_id} found")
+
+
+def _ancestors(pid: int) -> Iterator[bytes]:
+    """The command lines of ``pid``'s parent, grandparent, ... up to init."""
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            yield Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            return
 
 
 def child_tail(path: Path, lines: int = 15) -> str:

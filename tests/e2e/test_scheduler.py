@@ -94,7 +94,7 @@ def test_gang_start_grow_shrink_pending_and_back(
     wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="grown to world size 3")
 
     agents.kill_agent("c")
-    wait_for(lambda: not processes_of_node("c"), timeout=15, what="c's workers gone")
+    wait_for(lambda: not processes_of_node("c", warm=True), timeout=15, what="c's workers gone")
     wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="shrunk to world size 2")
     assert "node_lost" in _reasons(api, job_id)
     assert _view(api, job_id)["restarts"].get("node_lost", 0) >= 1

@@ -15,25 +15,33 @@ from tests.support.processes import ProcessGroupRegistry
 ELASTIC_DDP = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 
 
-def processes_of_node(node_id: str) -> list[int]:
+def processes_of_node(node_id: str, *, warm: bool = False) -> list[int]:
     """PIDs of live processes whose environment says they work for ``node_id``.
 
     The runner exports TIDAL_NODE_ID to every worker, so this finds a node's
-    workers even after they were re-parented.
+    workers even after they were re-parented. A warm runner that waits for a
+    job (``agent.runner_main --warm``) and its zygote work for no job: they
+    are left out unless ``warm``.
     """
     needle = f"TIDAL_NODE_ID={node_id}".encode()
-    found = []
+    found: dict[int, int] = {}  # pid -> parent pid
+    idle: set[int] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+        if stat[0] != "Z" and needle in environ.split(b"\0"):
+            found[int(entry.name)] = int(stat[1])
+            if b"agent.runner_main" in cmdline and b"--warm" in cmdline:
+                idle.add(int(entry.name))
+    if warm:
+        return sorted(found)
+    return sorted(pid for pid, parent in found.items() if pid not in idle and parent not in idle)
 
 
 class AgentCluster:
