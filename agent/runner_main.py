@@ -162,6 +162,7 @@ def warm_main() -> int:
     try:
         import agent.runner  # noqa: F401  # torch: about 1.5 s, while no job waits
 
+        logging.getLogger("tidal.runner").info("warm runner %d ready for a job", os.getpid())
         line = sys.stdin.readline().strip()
     except BaseException:
         if zygote is not None:

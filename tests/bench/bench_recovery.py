@@ -16,7 +16,11 @@ repetition, for each system:
    **steps lost** = the last step completed before the kill minus the step
    the survivors resumed from;
 3. node ``d`` starts; **scale-up** = from its start to the first completed
-   step at world size 3.
+   step at world size 3;
+4. tidal only: node ``e``, whose agent started with ``a``, ``b``, ``c`` but
+   was not assigned the job (so its warm runner has imported torch), is
+   assigned it; **warm scale-up** = from the assignment to the first
+   completed step at world size 4 (tidal's job has max 4 nodes, torchrun's 3).
 
 The systems, on the same script, machine and etcd, in the same run:
 
@@ -81,7 +85,7 @@ START_DEADLINE_S = 120.0
 RECOVERY_DEADLINE_S = 90.0  # c10d's defaults need about 45 s
 SCALE_UP_DEADLINE_S = 75.0  # c10d waits 60 s for a master address that never comes
 STEADY_S = 1.0  # steps taken at a size before the next event
-VICTIM, JOINER = "c", "d"
+VICTIM, JOINER, WARM_JOINER = "c", "d", "e"
 MARKER = "BENCH_RECOVERY_RUN"  # in every process this benchmark starts, for the sweep
 
 C10D_TUNED = (
@@ -118,6 +122,18 @@ class Nodes(ABC):
         """Whether the node's top process (agent, or torchrun) still runs."""
         return self.started[node].poll() is None
 
+    #: Whether a node can be started before it is given the job (tidal's agents).
+    starts_idle = False
+
+    def start_idle(self, node: str) -> None:
+        raise NotImplementedError
+
+    def give_job(self, node: str) -> None:
+        raise NotImplementedError
+
+    def ready_for_job(self, node: str) -> bool:
+        raise NotImplementedError
+
     @abstractmethod
     def start(self, node: str) -> None: ...
 
@@ -148,14 +164,27 @@ class TidalNodes(Nodes):
             command=[sys.executable, str(ELASTIC_DDP), *self.worker_args()],
             cwd=str(workdir),
             min_nodes=1,
-            max_nodes=3,
+            max_nodes=4,  # e, warm, joins last
             max_restarts=3,
             grace_period_s=10,
         )
 
+    starts_idle = True
+
     def start(self, node: str) -> None:
+        self.start_idle(node)
+        self.give_job(node)
+
+    def start_idle(self, node: str) -> None:
         self.started[node] = self.cluster.start_agent(node)
+
+    def give_job(self, node: str) -> None:
         assign(self.client, node, self.job)
+
+    def ready_for_job(self, node: str) -> bool:
+        """Whether the node's warm runner has imported torch and its zygote is up."""
+        logs = [p.read_text(errors="replace") for p in (self.workdir / node / "warm").glob("*.log")]
+        return any("zygote ready" in t and "ready for a job" in t for t in logs)
 
     def kill(self, node: str) -> None:
         self.cluster.kill_agent(node)  # runner and workers die with it (parent-death signal)
@@ -346,6 +375,8 @@ class Outcome:
     steps_lost: int | None = None
     recovery_parts: dict[str, float] = field(default_factory=dict)
     scale_up_parts: dict[str, float] = field(default_factory=dict)
+    warm_scale_up_s: float | None = None
+    warm_scale_up_parts: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -360,6 +391,8 @@ def measure(nodes: Nodes) -> Outcome:
     started = time.time()
     for node in ("a", "b", "c"):
         nodes.start(node)
+    if nodes.starts_idle:
+        nodes.start_idle(WARM_JOINER)
     first = events.first(3, after=started, deadline_s=START_DEADLINE_S, alive=alive,
                          everyone={"a", "b", "c"})
     if isinstance(first, str):
@@ -394,7 +427,32 @@ def measure(nodes: Nodes) -> Outcome:
     out.scale_up_s = grown["time"] - t_join
     out.scale_up_parts = breakdown(nodes, since=t_join, first_step=grown["time"],
                                    noticing=["a", "b"], joining=["a", "b", "d"], size=3)
+    if nodes.starts_idle:
+        measure_warm_scale_up(nodes, events, out, alive)
     return out
+
+
+def measure_warm_scale_up(nodes: Nodes, events: Events, out: Outcome,
+                          alive: Callable[[], bool]) -> None:
+    """Give the job to ``e``, whose agent has been up since the start."""
+    give_up = time.monotonic() + SCALE_UP_DEADLINE_S
+    while not nodes.ready_for_job(WARM_JOINER):
+        if time.monotonic() > give_up:
+            out.notes.append("e's warm runner was never ready")
+            return
+        time.sleep(0.1)
+    time.sleep(STEADY_S)
+    t_assign = time.time()
+    nodes.give_job(WARM_JOINER)
+    grown = events.first(4, after=t_assign, deadline_s=SCALE_UP_DEADLINE_S, alive=alive)
+    if isinstance(grown, str):
+        out.notes.append(f"after e was given the job: {grown}")
+        return
+    out.warm_scale_up_s = grown["time"] - t_assign
+    out.warm_scale_up_parts = breakdown(
+        nodes, since=t_assign, first_step=grown["time"],
+        noticing=["a", "b", "d"], joining=["a", "b", "d", "e"], size=4,
+    )
 
 
 # Systems, cleanup, the table ---------------------------------------------------
@@ -520,7 +578,7 @@ def report(results: dict[str, list[Outcome]], loads: list[tuple[float, float, fl
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if "tidal" in results:
         lines += _ratios(results)
-    lines += [*_breakdowns(results), ""]
+    lines += [*_breakdowns(results), *_warm(results), ""]
     for name, outs in results.items():
         for i, o in enumerate(outs):
             if o.notes:
@@ -578,6 +636,27 @@ def _breakdowns(results: dict[str, list[Outcome]]) -> list[str]:
                       for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _warm(results: dict[str, list[Outcome]]) -> list[str]:
+    """tidal's scale-up onto a node that was up (warm runner ready) before its assignment."""
+    outs = [o for o in results.get("tidal", []) if o.scale_up_s is not None]
+    if not outs:
+        return []
+    med, worst = _med_worst([o.warm_scale_up_s for o in outs])
+    parts = [o.warm_scale_up_parts for o in outs if o.warm_scale_up_parts]
+    keys = ("notice", "rendezvous", "start-up")
+    split = " / ".join(f"{statistics.median(p[k] for p in parts):.1f}" for k in keys) if parts \
+        else "-"
+    return [
+        "",
+        "| tidal, node up before its assignment | scale-up median (s) | scale-up worst (s) "
+        "| notice / rendezvous / start-up, medians (s) | scaled up |",
+        "|---|---|---|---|---|",
+        f"| from the assignment to the first step at world size 4 | "
+        f"{_fmt(med, SCALE_UP_DEADLINE_S)} | {_fmt(worst, SCALE_UP_DEADLINE_S)} | {split} | "
+        f"{sum(o.warm_scale_up_s is not None for o in outs)}/{len(outs)} |",
+    ]
 
 
 @pytest.mark.bench
