@@ -88,18 +88,21 @@ def import_time_differences(before: dict[str, str], after: dict[str, str]) -> li
     )
 
 
-def load_spec(path: Path) -> RunnerSpec:
-    """The daemon's spec, with the etcd password from the environment.
+def take_password() -> str | None:
+    """The etcd password, out of the environment that workers and the zygote inherit.
 
-    The password comes through the environment, never the spec file; the
-    workers inherit this process's environment, so it is taken out.
+    It comes through the environment, never the spec file (JSON, on disk).
     """
+    return os.environ.pop("TIDAL_ETCD_PASSWORD", None)
+
+
+def load_spec(path: Path, password: str | None) -> RunnerSpec:
+    """The daemon's spec, with the etcd password."""
     from pydantic import SecretStr
 
     from agent.spec import RunnerSpec
 
     spec = RunnerSpec.model_validate_json(path.read_text())
-    password = os.environ.pop("TIDAL_ETCD_PASSWORD", None)
     return spec.model_copy(
         update={
             "etcd": spec.etcd.model_copy(
@@ -139,7 +142,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         sys.stderr.write("usage: python -m agent.runner_main SPEC.json | --warm [TITLE_ROOM]\n")
         return 2
-    spec = load_spec(Path(argv[0]))
+    spec = load_spec(Path(argv[0]), take_password())
     die_with_parent(expected_parent=spec.parent_pid)
     _configure_logging(spec.assignment.job_id)
     progress_dir = prepare_environment(spec)
@@ -157,6 +160,7 @@ def warm_main() -> int:
     """
     die_with_parent(expected_parent=os.getppid())
     _configure_logging("warm")
+    password = take_password()  # before the zygote starts: no worker may see it
     zygote = None if os.environ.get(ENV_SWITCH) == "0" else _start_zygote()
     zygote_env = dict(os.environ)
     try:
@@ -172,7 +176,7 @@ def warm_main() -> int:
         if zygote is not None:
             zygote.close()
         return 0
-    spec = load_spec(Path(line))
+    spec = load_spec(Path(line), password)
     if spec.parent_pid != os.getppid():  # the daemon that started us hands us the job
         sys.stderr.write(f"spec {line} is for a runner of process {spec.parent_pid}\n")
         return 2

@@ -49,6 +49,13 @@ from tests.support.coordinator import CoordinatorProcess, job_spec
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
+NO_SECRET = """
+import os, sys
+leaked = "TIDAL_ETCD_PASSWORD" in os.environ
+leaked |= b"TIDAL_ETCD_PASSWORD=" in open("/proc/self/environ", "rb").read()
+sys.exit("the etcd password reached the worker" if leaked else 0)
+"""
+
 REPO = Path(__file__).resolve().parents[3]
 SETUP_AUTH = REPO / "deploy" / "etcd" / "setup-auth.sh"
 TIMEOUT_S = 3.0
@@ -682,7 +689,13 @@ def test_coordinator_and_agent_with_tls_and_their_users_run_a_job(
         wait_for(node_listed, timeout=60, what="secure-node in GET /v1/nodes")
         wait_for(lambda: api.get("/readyz").status_code == 200, timeout=30,
                  what="the coordinator's /readyz (a leader elected through etcd)")
-        job_id = api.post("/v1/jobs", json=job_spec("tls-job")).json()["job_id"]
+        # The job's worker is forked by the warm runner's zygote, which was
+        # started before the job was known: neither its environment nor the
+        # one /proc shows for it may hold the agent's etcd password.
+        script = tmp_path / "no_secret.py"
+        script.write_text(NO_SECRET)
+        job = job_spec("tls-job", command=[sys.executable, str(script)])
+        job_id = api.post("/v1/jobs", json=job).json()["job_id"]
 
         def finished() -> str | None:
             phase = str(api.get(f"/v1/jobs/{job_id}").json()["phase"])
