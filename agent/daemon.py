@@ -21,7 +21,9 @@ directory. A new node therefore joins a job as soon as its assignment arrives
 rather than after ``python`` + ``import torch`` (1.5 to 3 s), and a node
 that takes one job after another starts each at once. The next warm runner
 starts a while after one is taken (not at once: it would compete for the CPU
-with the job starting), and not while the node's slots are all in use.
+with the job starting), and not while the node's slots are all in use; a
+runner being stopped frees its slots for this, and a runner stopped because
+its job got a new generation (new bounds) gets a warm successor at once.
 
 Runners are started from the main thread with the parent-death signal set, so
 a SIGKILLed daemon takes its runners, and they their workers, with it.
@@ -220,8 +222,12 @@ class Agent:
         for job_id, runner in list(self.state.runners.items()):
             wanted = desired.get(job_id)
             if wanted is None or wanted.generation != runner.assignment.generation:
-                if wanted is not None and self.metrics is not None and runner.stop_deadline is None:
-                    self.metrics.count_restart(job_id, SCALED)  # only bounds change a generation
+                if wanted is not None and runner.stop_deadline is None:
+                    if self.metrics is not None:
+                        self.metrics.count_restart(job_id, SCALED)  # only bounds change it
+                    # The next generation's runner is wanted as soon as this one is
+                    # gone: have a warm one ready by then (stopping takes seconds).
+                    self._warm_due = 0.0
                 self._stop_runner(job_id, runner)
         for job_id, assignment in desired.items():
             if job_id in self.state.runners:
@@ -295,7 +301,12 @@ class Agent:
     # warm runners ----------------------------------------------------------------
 
     def _free_slots(self) -> int:
-        used = sum(r.assignment.nproc_per_node for r in self.state.runners.values())
+        """Slots not held by a runner, counting a stopping runner's as free."""
+        used = sum(
+            r.assignment.nproc_per_node
+            for r in self.state.runners.values()
+            if r.stop_deadline is None
+        )
         return self.settings.slots - used
 
     def _keep_warm(self) -> None:

@@ -10,7 +10,13 @@ from pathlib import Path
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
-from tests.support.agents import AgentCluster, assign, processes_of_node, statuses
+from tests.support.agents import (
+    ELASTIC_DDP,
+    AgentCluster,
+    assign,
+    processes_of_node,
+    statuses,
+)
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -88,6 +94,40 @@ def test_the_warm_runner_takes_the_job_then_a_new_one_waits_for_the_next(
         # The slot is free again: a new warm runner waits for the next job.
         again = wait_for(lambda: _idle_warm_runner("a"), timeout=60, what="the next warm runner")
         assert again != warm
+    except Exception:
+        print(cluster.log_tails())
+        raise
+
+
+def test_a_new_generation_of_a_running_job_starts_in_a_warm_runner(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+):
+    """New bounds (a PATCH) give the job a new generation: the node's runner
+    stops, and the next one was started while it stopped, though the only
+    slot was in use until then."""
+    cluster = _cluster(tmp_path, etcd_server, etcd_root, procs)
+    cluster.start_agent("a")
+    job = Assignment(
+        job_id="gens",
+        command=[sys.executable, str(ELASTIC_DDP), "--checkpoint", str(tmp_path / "ckpt.pt"),
+                 "--step-seconds", "0.1"],
+        min_nodes=1, max_nodes=1, grace_period_s=5,
+    )
+
+    def running(generation: int) -> bool:
+        status = statuses(etcd_client, "gens").get("a")
+        return bool(status and status.generation == generation
+                    and status.state == JobNodeState.RUNNING)
+
+    try:
+        assign(etcd_client, "a", job)
+        wait_for(lambda: running(1), timeout=60, what="generation 1 running")
+        assert _idle_warm_runner("a") is None, "a warm runner beside a job on the only slot"
+        assign(etcd_client, "a", job.model_copy(update={"generation": 2, "max_nodes": 2}))
+        wait_for(lambda: running(2), timeout=60, what="generation 2 running")
+        log = (cluster.workdir / "a" / "jobs" / "gens" / "gen-2" / "runner.log").read_text()
+        assert "takes job gens (generation 2)" in log, log[-2000:]
     except Exception:
         print(cluster.log_tails())
         raise
