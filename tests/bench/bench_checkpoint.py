@@ -4,7 +4,7 @@ Run with ``make bench`` or
 ``.venv/bin/python -m pytest tests/bench/bench_checkpoint.py -m bench -s``
 (``BENCH_CHECKPOINT_PAIRS`` and ``BENCH_CHECKPOINT_BLOCK_STEPS`` set the size of
 the paired comparison, below). It prints the load average before and after, and
-two tables.
+three tables.
 
 The first (median and worst):
 
@@ -18,6 +18,8 @@ The first (median and worst):
 * the writer thread's CPU time per save (user and system), with direct I/O
   (the default) and through the page cache (``direct_io=False``), and how long
   a background save takes;
+* a restore right after an async save, with either writer (a file written
+  with direct I/O is not in the page cache);
 * the library with checkpointing off: ``maybe_save`` per call, and the stop
   consensus with two ranks.
 
@@ -29,8 +31,8 @@ off, async with direct I/O, async through the page cache, and the synchronous
 reference (keeping two files, as the checkpointers do); the order rotates from
 set to set. For each mode and set, the block's figure minus the same set's
 "off" block is one paired difference; the table gives their median,
-interquartile range and a bootstrap 95% interval of the median (and a last
-table lists every set's wall-time differences), for:
+interquartile range and a bootstrap 95% interval of the median, for the
+measures below; the third table lists every set's wall-time differences:
 
 * wall time of the block: the training time lost per save, everything included
   (and, within each set, sync minus async and page cache minus direct I/O);
@@ -367,9 +369,9 @@ def bootstrap_median(values: list[float], *, resamples: int = 4000) -> tuple[flo
 
 
 def paired_row(name: str, values: list[float]) -> str:
-    q1, med, q3 = statistics.quantiles(
-        values * (2 if len(values) == 1 else 1), n=4, method="inclusive"
-    )
+    # quantiles() needs two values; the quartiles of one value are that value.
+    padded = values if len(values) > 1 else values * 2
+    q1, med, q3 = statistics.quantiles(padded, n=4, method="inclusive")
     low, high = bootstrap_median(values)
     return (
         f"| {name:<52} | {med:7.3f} | {q1:7.3f} .. {q3:7.3f} | {low:7.3f} .. {high:7.3f} "

@@ -205,4 +205,3 @@ def test_extras_must_be_a_dict_of_checkpointable_values(tmp_path: Path) -> None:
     with pytest.raises(CheckpointStateError, match=r"\['extra'\]\['bad'\] is a set"):
         ckpt.save(1)
     ckpt.close()
-
