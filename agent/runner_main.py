@@ -127,13 +127,9 @@ def _start_zygote() -> ZygoteProcess:
 
 
 def _run(spec: RunnerSpec, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
-    try:
-        from agent.runner import run  # torch: about 1.5 s
+    from agent.runner import run  # torch: about 1.5 s
 
-        return run(spec, progress_dir=progress_dir, zygote=zygote)
-    finally:
-        if zygote is not None:
-            zygote.close()
+    return run(spec, progress_dir=progress_dir, zygote=zygote)
 
 
 def main(argv: list[str]) -> int:
@@ -147,7 +143,11 @@ def main(argv: list[str]) -> int:
     _configure_logging(spec.assignment.job_id)
     progress_dir = prepare_environment(spec)
     zygote = None if spec.assignment.env.get(ENV_SWITCH) == "0" else _start_zygote()
-    return _run(spec, progress_dir, zygote)
+    try:
+        return _run(spec, progress_dir, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
 
 
 def warm_main() -> int:
@@ -166,39 +166,38 @@ def warm_main() -> int:
     try:
         import agent.runner  # noqa: F401  # torch: about 1.5 s, while no job waits
 
-        logging.getLogger("tidal.runner").info("warm runner %d ready for a job", os.getpid())
+        log = logging.getLogger("tidal.runner")
+        log.info("warm runner %d ready for a job", os.getpid())
         line = sys.stdin.readline().strip()
-    except BaseException:
+        if not line:
+            return 0  # discarded
+        spec = load_spec(Path(line), password)
+        if spec.parent_pid != os.getppid():  # the daemon that started us hands us the job
+            sys.stderr.write(f"spec {line} is for a runner of process {spec.parent_pid}\n")
+            return 2
+        _configure_logging(spec.assignment.job_id)
+        log.info(
+            "warm runner %d takes job %s (generation %d)",
+            os.getpid(),
+            spec.assignment.job_id,
+            spec.assignment.generation,
+        )
+        _retitle(f"{sys.executable} -m agent.runner_main {line}")
+        progress_dir = prepare_environment(spec)
+        if zygote is not None and spec.assignment.env.get(ENV_SWITCH) == "0":
+            zygote.close()
+            zygote = None
+            os.environ.pop(ENV_SOCKET, None)
+        elif zygote is not None and (
+            changed := import_time_differences(zygote_env, dict(os.environ))
+        ):
+            log.info("the job sets %s: starting a zygote with its environment", ", ".join(changed))
+            zygote.close()
+            zygote = _start_zygote()
+        return _run(spec, progress_dir, zygote)
+    finally:
         if zygote is not None:
             zygote.close()
-        raise
-    if not line:  # discarded
-        if zygote is not None:
-            zygote.close()
-        return 0
-    spec = load_spec(Path(line), password)
-    if spec.parent_pid != os.getppid():  # the daemon that started us hands us the job
-        sys.stderr.write(f"spec {line} is for a runner of process {spec.parent_pid}\n")
-        return 2
-    _configure_logging(spec.assignment.job_id)
-    log = logging.getLogger("tidal.runner")
-    log.info(
-        "warm runner %d takes job %s (generation %d)",
-        os.getpid(),
-        spec.assignment.job_id,
-        spec.assignment.generation,
-    )
-    _retitle(f"{sys.executable} -m agent.runner_main {line}")
-    progress_dir = prepare_environment(spec)
-    if zygote is not None and spec.assignment.env.get(ENV_SWITCH) == "0":
-        zygote.close()
-        zygote = None
-        os.environ.pop(ENV_SOCKET, None)
-    elif zygote is not None and (changed := import_time_differences(zygote_env, dict(os.environ))):
-        log.info("the job sets %s: starting a zygote with its environment", ", ".join(changed))
-        zygote.close()
-        zygote = _start_zygote()
-    return _run(spec, progress_dir, zygote)
 
 
 def _retitle(title: str) -> None:

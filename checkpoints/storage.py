@@ -593,15 +593,9 @@ def open_for_checkpoint(path: Path) -> Iterator[CheckpointFileWriter]:
     Raises:
         OSError: when the file exists, or cannot be created or written.
     """
-    if not _DIRECT_IO.get():
-        with open(path, "xb") as f:
-            buffered = ChecksumWriter(f)
-            yield buffered
-            buffered.finish()
-        return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        if not _set_direct(fd, path):
+        if not (_DIRECT_IO.get() and _set_direct(fd, path)):
             with os.fdopen(fd, "wb", closefd=False) as f:
                 buffered = ChecksumWriter(f)
                 yield buffered

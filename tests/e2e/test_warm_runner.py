@@ -14,6 +14,7 @@ from tests.support.agents import (
     ELASTIC_DDP,
     AgentCluster,
     assign,
+    is_idle_warm_runner,
     processes_of_node,
     statuses,
 )
@@ -42,7 +43,7 @@ def _idle_warm_runner(node_id: str) -> int | None:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"agent.runner_main" in argv and b"--warm" in argv:
+        if is_idle_warm_runner(argv):
             return pid
     return None
 

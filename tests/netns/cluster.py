@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.agents import read_events
+from tests.support.agents import is_idle_warm_runner, parent_of, read_events
 from tests.support.netns import Host, NamespaceThread, Network
 from tests.support.wait import wait_for
 
@@ -291,28 +291,30 @@ class NetnsCluster:
     def runner_pids(self, node: str) -> list[int]:
         """PIDs of the job runners (``python -m agent.runner_main``) on ``node``'s host.
 
-        A warm runner that waits for a job (``--warm``) is left out; one that
-        took a job titles itself as a runner started for it (one string).
+        A warm runner that waits for a job is left out; one that took a job
+        titles itself as a runner started for it (one string).
         """
-        return [pid for pid, words in self._commands(node).items()
-                if RUNNER_MODULES & words and b"--warm" not in words]
+        found = []
+        for pid, argv in self._commands(node).items():
+            words = {w for arg in argv for w in arg.split()}
+            if RUNNER_MODULES & words and not is_idle_warm_runner(argv):
+                found.append(pid)
+        return found
 
     def job_pids(self, node: str) -> list[int]:
         """PIDs on ``node``'s host that work for a job: all but the agent, and
         its warm runner waiting for a job, and that runner's zygote."""
         commands = self._commands(node)
-        warm = {b"agent.runner_main", b"--warm"}
-        idle = {pid for pid, words in commands.items() if warm <= words}
+        idle = {pid for pid, argv in commands.items() if is_idle_warm_runner(argv)}
         return [pid for pid in commands
-                if pid != self.agents[node].pid and pid not in idle and _parent(pid) not in idle]
+                if pid != self.agents[node].pid and pid not in idle and parent_of(pid) not in idle]
 
-    def _commands(self, node: str) -> dict[int, set[bytes]]:
-        """The words of each live command line on ``node``'s host, by PID."""
+    def _commands(self, node: str) -> dict[int, list[bytes]]:
+        """Each live command line on ``node``'s host (split on NUL), by PID."""
         found = {}
         for pid in self.net.pids(self.agent_hosts[node]):
             with contextlib.suppress(OSError):
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                found[pid] = {w for arg in argv for w in arg.split()}
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         return found
 
     def kill_etcd(self, name: str) -> None:
@@ -454,10 +456,3 @@ def duplicate_ranks(records: list[dict[str, Any]]) -> dict[tuple[int, int], list
     for r in records:
         by_slot.setdefault((int(r["step"]), int(r["rank"])), set()).add(str(r["node"]))
     return {slot: sorted(nodes) for slot, nodes in by_slot.items() if len(nodes) > 1}
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None

@@ -15,13 +15,26 @@ from tests.support.processes import ProcessGroupRegistry
 ELASTIC_DDP = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 
 
+def is_idle_warm_runner(argv: list[bytes]) -> bool:
+    """Whether a command line (``/proc/PID/cmdline`` split on NUL) is a warm runner
+    still waiting for a job. One that took a job retitles itself as a cold runner."""
+    return b"agent.runner_main" in argv and b"--warm" in argv
+
+
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent, or None if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def processes_of_node(node_id: str, *, warm: bool = False) -> list[int]:
     """PIDs of live processes whose environment says they work for ``node_id``.
 
     The runner exports TIDAL_NODE_ID to every worker, so this finds a node's
     workers even after they were re-parented. A warm runner that waits for a
-    job (``agent.runner_main --warm``) and its zygote work for no job: they
-    are left out unless ``warm``.
+    job and its zygote work for no job: they are left out unless ``warm``.
     """
     needle = f"TIDAL_NODE_ID={node_id}".encode()
     found: dict[int, int] = {}  # pid -> parent pid
@@ -32,12 +45,12 @@ def processes_of_node(node_id: str, *, warm: bool = False) -> list[int]:
         try:
             environ = (entry / "environ").read_bytes()
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if stat[0] != "Z" and needle in environ.split(b"\0"):
             found[int(entry.name)] = int(stat[1])
-            if b"agent.runner_main" in cmdline and b"--warm" in cmdline:
+            if is_idle_warm_runner(argv):
                 idle.add(int(entry.name))
     if warm:
         return sorted(found)
