@@ -126,7 +126,7 @@ class Agent:
             client, self.settings.node_id, self._job_ids,
             run_dir=self.settings.run_dir, extra_restarts=self.metrics.restarts,
         ))
-        server, _ = self.metrics.serve(port)
+        server, _ = self.metrics.serve(port, self.settings.metrics_host)
         self.metrics_port = int(server.server_port)
         log.info("metrics on :%d/metrics", self.metrics_port)
 

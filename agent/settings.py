@@ -38,6 +38,9 @@ class AgentSettings(EtcdSettings):
     run_dir: Path = Path(".tidal/agent")
     lease_ttl_s: int = Field(default=5, ge=2, le=300)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    # All interfaces by default, for a Prometheus on another machine; `tidal up`
+    # passes 127.0.0.1 (its Prometheus, if any, runs on this machine).
+    metrics_host: str = Field(default="0.0.0.0", min_length=1, max_length=253)
     stop_grace_s: float = Field(default=30.0, gt=0, le=3600)
     log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
     # Keep a runner (and its zygote) started ahead of the next job; see agent.daemon.
