@@ -21,7 +21,10 @@ keying everything on the *global sample position* rather than on the rank:
   of passes and the loss scale is unchanged.
 
 Resumed at step ``s``, :class:`ElasticBatchSampler` starts at position ``s*B``:
-nothing in it depends on how many workers consumed the earlier steps.
+nothing in it depends on how many workers consumed the earlier steps. Its
+``state_dict()`` holds exactly that pair, the step and the stream position, so
+a data loader's saved state (torchdata's ``StatefulDataLoader`` keeps the
+sampler's) loads at any world size.
 
 Scaling the learning rate with the world size instead of keeping the global
 batch constant is an explicit choice (:func:`scale_lr`); by default nothing
@@ -32,17 +35,31 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from checkpoints.errors import CheckpointError
 
-__all__ = ["RESIZE_POLICY_ENV", "BatchPlan", "BatchPlanError", "ElasticBatchSampler", "scale_lr"]
+__all__ = [
+    "RESIZE_POLICY_ENV",
+    "SAMPLER_STATE_FORMAT",
+    "BatchPlan",
+    "BatchPlanError",
+    "ElasticBatchSampler",
+    "scale_lr",
+]
 
 #: Environment variable through which a job may declare its learning-rate rule.
 RESIZE_POLICY_ENV = "TIDAL_RESIZE_POLICY"
+
+#: The ``format`` of :meth:`ElasticBatchSampler.state_dict`; its version is 1.
+SAMPLER_STATE_FORMAT = "tidal-batch-sampler"
+_SAMPLER_STATE_VERSION = 1
+_STATE_KEYS = ("format", "version", "step", "position", "dataset_len", "seed", "within_step")
+_WITHIN_STEP_KEYS = ("micro_batch", "global_batch_size", "world_size", "accumulation_steps")
 
 _LR_RULES = ("none", "linear", "sqrt")
 
@@ -187,8 +204,11 @@ class ElasticBatchSampler:
     processes or without: the indices are computed in the main process.
 
     Without ``end_step`` the sampler is endless (the training loop decides when
-    to stop) and has no ``len()``. Each epoch's permutation is computed when
-    first needed (``dataset_len`` int64 values) and at most two are kept.
+    to stop) and has no ``len()``. Each ``iter()`` starts again at
+    ``start_step`` (or at the state last loaded), and :meth:`state_dict` says
+    how far the newest iterator got, for torchdata's ``StatefulDataLoader``.
+    Each epoch's permutation is computed when first needed (``dataset_len``
+    int64 values) and at most two are kept.
     ``torch.randperm`` draws them, so the order is reproducible with the same
     torch version; resuming a job under another torch version may change it.
     """
@@ -245,6 +265,10 @@ class ElasticBatchSampler:
         if start_position is None:
             start_position = start_step * global_batch_size
         self.start_position = _require_int("start_position", start_position, minimum=0)
+        # Micro-batches of start_step already consumed (only from a state saved mid-step).
+        self._start_micro_batch = 0
+        # How far the newest iterator got: the next step, and its micro-batches already yielded.
+        self._cursor = (start_step, 0)
         self._permutations: dict[int, torch.Tensor] = {}
 
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -300,15 +324,151 @@ class ElasticBatchSampler:
         return self.position_of(step) // self.dataset_len
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.start_step
+        # Not a generator itself: the cursor moves back to the start at iter(), as a
+        # data loader's state taken before its first batch must say.
+        self._cursor = (self.start_step, self._start_micro_batch)
+        return self._batches(self.start_step, self._start_micro_batch)
+
+    def _batches(self, step: int, skip: int) -> Iterator[list[int]]:
+        last = self.plan.accumulation_steps - 1
         while self.end_step is None or step < self.end_step:
-            yield from self.indices_for_step(step)
+            for micro, batch in enumerate(self.indices_for_step(step)):
+                if micro < skip:
+                    continue
+                # Moved before the yield: a batch handed out is consumed, as far as a
+                # data loader's state is concerned (it accounts for its own prefetching).
+                self._cursor = (step + 1, 0) if micro == last else (step, micro + 1)
+                yield batch
+            skip = 0
             step += 1
 
     def __len__(self) -> int:
         if self.end_step is None:
             raise TypeError("an ElasticBatchSampler without end_step is endless and has no len()")
-        return (self.end_step - self.start_step) * self.plan.accumulation_steps
+        steps = self.end_step - self.start_step
+        return steps * self.plan.accumulation_steps - self._start_micro_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the newest iterator got: the next global step and its stream position.
+
+        At a step boundary nothing in the state depends on the world size, the
+        rank or the micro-batch limit, so a state saved by any rank loads on
+        every rank of any world size. ``step`` is the step the next batch
+        belongs to (completed optimizer steps, the checkpointer's ``step``) and
+        ``position`` the stream position where it begins (the
+        ``start_position`` of that step). A state taken in the middle of a step
+        (some of this rank's micro-batches of it handed out) also says how the
+        step was split, in ``within_step``; only the same split may resume it.
+
+        Returns:
+            A dict of plain ints (and ``within_step``: None or a dict of ints),
+            loadable with ``torch.load(weights_only=True)``.
+        """
+        step, micro_batch = self._cursor
+        within_step: dict[str, int] | None = None
+        if micro_batch:
+            within_step = {
+                "micro_batch": micro_batch,
+                "global_batch_size": self.plan.global_batch_size,
+                "world_size": self.plan.world_size,
+                "accumulation_steps": self.plan.accumulation_steps,
+            }
+        return {
+            "format": SAMPLER_STATE_FORMAT,
+            "version": _SAMPLER_STATE_VERSION,
+            "step": step,
+            "position": self.position_of(step),
+            "dataset_len": self.dataset_len,
+            "seed": self.seed,
+            "within_step": within_step,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict` saved at any world size.
+
+        The next ``iter()`` starts at the state's step and position, as a
+        sampler created with ``start_step=state["step"]`` and
+        ``start_position=state["position"]`` would; the global batch may differ
+        from the one the state was saved with (the position carries on).
+
+        Raises:
+            BatchPlanError: naming the field, when the state is not a dict of
+                this format and version, a field is missing, unknown, not an int
+                or out of range, it is of another dataset size or seed, its step
+                is past ``end_step``, or it was saved in the middle of a step
+                that this sampler splits differently. Nothing changes then.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise BatchPlanError(
+                f"an ElasticBatchSampler state must be a dict, not {type(state_dict).__name__}"
+            )
+        _check_keys("state", state_dict, _STATE_KEYS)
+        if state_dict["format"] != SAMPLER_STATE_FORMAT:
+            raise BatchPlanError(
+                f"state['format'] ({state_dict['format']!r}) is not {SAMPLER_STATE_FORMAT!r}"
+            )
+        if state_dict["version"] != _SAMPLER_STATE_VERSION:
+            raise BatchPlanError(
+                f"state['version'] ({state_dict['version']!r}) is not {_SAMPLER_STATE_VERSION}"
+            )
+        step = _require_int("state['step']", state_dict["step"], minimum=0)
+        position = _require_int("state['position']", state_dict["position"], minimum=0)
+        for name in ("dataset_len", "seed"):
+            saved = _require_int(f"state[{name!r}]", state_dict[name], minimum=0)
+            if saved != getattr(self, name):
+                raise BatchPlanError(
+                    f"state[{name!r}] ({saved}) is not this sampler's {name} "
+                    f"({getattr(self, name)}): the state is of another sample stream"
+                )
+        if self.end_step is not None and step > self.end_step:
+            raise BatchPlanError(f"state['step'] ({step}) is past end_step ({self.end_step})")
+        micro_batch = self._micro_batch_to_resume(state_dict["within_step"], step)
+        self.start_step, self.start_position = step, position
+        self._start_micro_batch = micro_batch
+        self._cursor = (step, micro_batch)
+
+    def _micro_batch_to_resume(self, within_step: object, step: int) -> int:
+        """The micro-batches of ``step`` already consumed, checked against this split."""
+        if within_step is None:
+            return 0
+        if not isinstance(within_step, Mapping):
+            raise BatchPlanError(
+                f"state['within_step'] must be None or a dict, not {type(within_step).__name__}"
+            )
+        _check_keys("state['within_step']", within_step, _WITHIN_STEP_KEYS)
+        saved = {
+            name: _require_int(f"state['within_step'][{name!r}]", within_step[name], minimum=1)
+            for name in _WITHIN_STEP_KEYS
+        }
+        ours = {
+            "global_batch_size": self.plan.global_batch_size,
+            "world_size": self.plan.world_size,
+            "accumulation_steps": self.plan.accumulation_steps,
+        }
+        differs = [f"{k} {saved[k]} (now {v})" for k, v in ours.items() if saved[k] != v]
+        if differs:
+            raise BatchPlanError(
+                f"the state was saved in the middle of step {step} (after micro-batch "
+                f"{saved['micro_batch']} of {saved['accumulation_steps']}), which only the "
+                f"same split can resume, but {', '.join(differs)} differ: "
+                "save the data loader's state at a step boundary to resume at another world size"
+            )
+        if saved["micro_batch"] >= saved["accumulation_steps"]:
+            raise BatchPlanError(
+                f"state['within_step']['micro_batch'] ({saved['micro_batch']}) must be less "
+                f"than accumulation_steps ({saved['accumulation_steps']})"
+            )
+        return saved["micro_batch"]
+
+
+def _check_keys(what: str, value: Mapping[str, Any], expected: tuple[str, ...]) -> None:
+    """Refuse a state with a missing or an unknown field, naming it."""
+    missing = [key for key in expected if key not in value]
+    if missing:
+        raise BatchPlanError(f"{what} has no {', '.join(map(repr, missing))}")
+    unknown = [key for key in value if key not in expected]
+    if unknown:
+        raise BatchPlanError(f"{what} has unknown field(s) {', '.join(map(repr, unknown))}")
 
 
 def scale_lr(
