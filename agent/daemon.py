@@ -10,7 +10,12 @@ reconciles, level-triggered, what should run against what runs:
 * a runner whose assignment is gone (cancelled, scaled down, drained): SIGTERM
   it (its workers get SIGTERM, checkpoint and exit; the node leaves the
   rendezvous, the others go on), then SIGKILL after the grace period;
-* a runner that exited: remember the generation, never rerun it.
+* a runner that exited: remember the generation, never rerun it; if it
+  could not say how its job ended (SIGKILLed, crashed), write that in its
+  place and restart it, charged to the job's budget, or fail the job with
+  the root cause (:mod:`agent.supervise`). A runner that cannot be started
+  counts as one that crashed. Nothing the daemon's bookkeeping throws stops
+  its loop: the next pass (within half a second) tries again.
 
 Warm runners: while the node has a free slot, the daemon keeps one runner
 started ahead of the next job (``python -m agent.runner_main --warm``). It
@@ -45,12 +50,22 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from agent.admission import AssignmentGate
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
-from agent.spec import EXIT_STOPPED, RunnerSpec
+from agent.spec import (
+    EXIT_CRASHED,
+    EXIT_STOPPED,
+    OUTCOME_FILE,
+    RunnerOutcome,
+    RunnerSpec,
+    read_outcome,
+)
+from agent.supervise import Action, after_exit
 from agent.zygote import TITLE_ROOM
 from rendezvous.client import EtcdClient, WatchEvent, create_client
-from rendezvous.records import Assignment
+from rendezvous.errors import EtcdError
+from rendezvous.records import Assignment, JobNodeStatus, RestartReason, utcnow
 from rendezvous.registry import (
     NodeAlreadyRegisteredError,
     NodeInfo,
@@ -67,6 +82,21 @@ class _Runner:
     assignment: Assignment
     process: subprocess.Popen[bytes]
     stop_deadline: float | None = None  # set once SIGTERM was sent
+
+
+@dataclass
+class _Exited:
+    """A runner that has exited, whose aftermath (agent.supervise) is not written yet."""
+
+    assignment: Assignment
+    pid: int
+    code: int
+    stopping: bool
+    outcome: RunnerOutcome | None = None  # its own, or the daemon's when it never started
+
+
+#: Bytes of a dead runner's log kept as its root cause's text.
+LOG_TAIL_BYTES = 16 * 1024
 
 
 @dataclass
@@ -87,6 +117,7 @@ class AgentState:
 
     runners: dict[str, _Runner] = field(default_factory=dict)
     finished: dict[str, tuple[int, int]] = field(default_factory=dict)  # job -> (generation, rc)
+    exited: dict[str, _Exited] = field(default_factory=dict)  # aftermath not written yet
 
 
 class Agent:
@@ -103,6 +134,7 @@ class Agent:
         self._stop = threading.Event()
         self._client: EtcdClient | None = None
         self._watcher: PrefixWatcher | None = None
+        self._gate: AssignmentGate | None = None  # built with the client (see _desired)
         self._jobs_lock = threading.Lock()
         self._jobs_seen: set[str] = set()
         self.metrics: AgentMetrics | None = None
@@ -159,9 +191,13 @@ class Agent:
             while not self._stop.is_set():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-                if self._watcher.synced:
-                    self.reconcile(self._desired())
-                self._keep_warm()
+                try:
+                    if self._watcher.synced:
+                        self.reconcile(self._desired())
+                    self._keep_warm()
+                except Exception:  # e.g. etcd unreachable, no memory to fork: next pass
+                    log.exception("the agent's pass failed; trying again")
+                    self._stop.wait(0.5)
             self._stop_all_runners()
         finally:
             self._discard_warm()
@@ -203,15 +239,36 @@ class Agent:
         self._wake.set()
 
     def _desired(self) -> dict[str, Assignment]:
-        assert self._watcher is not None
+        """The assignments to run: those the coordinator wrote (agent.admission).
+
+        One not (yet) admitted never starts a runner. It does not stop one
+        either: a runner whose assignment changed to one not admitted keeps
+        running its admitted generation until the change is admitted or the
+        assignment is deleted.
+        """
+        assert self._watcher is not None and self._client is not None
+        if self._gate is None:
+            self._gate = AssignmentGate(self._client, self.settings.node_id)
         desired: dict[str, Assignment] = {}
-        for key, kv in self._watcher.snapshot().items():
+        snapshot = self._watcher.snapshot()
+        self._gate.forget_except(snapshot)
+        for key, kv in snapshot.items():
             try:
                 assignment = Assignment.model_validate_json(kv.value)
             except ValidationError as exc:
                 log.error("ignoring the malformed assignment %s: %s", key, exc)
                 continue
-            desired[assignment.job_id] = assignment
+            job_id = assignment.job_id
+            runner = self.state.runners.get(job_id)
+            done = self.state.finished.get(job_id)
+            if (runner is not None and runner.assignment.generation == assignment.generation) or (
+                done is not None and done[0] == assignment.generation
+            ):
+                desired[job_id] = assignment  # admitted when it started
+            elif self._gate.admitted(key, kv, assignment):
+                desired[job_id] = assignment
+            elif runner is not None:
+                desired[job_id] = runner.assignment
         return desired
 
     # reconcile -----------------------------------------------------------------
@@ -219,6 +276,13 @@ class Agent:
     def reconcile(self, desired: dict[str, Assignment]) -> None:
         """Make the runners match ``desired``; call from the main thread only."""
         self._reap()
+        for job_id in list(self.state.exited):
+            try:
+                self._settle(job_id, desired.get(job_id))
+            except EtcdError as exc:  # not written yet: the next pass tries again
+                log.warning("cannot settle the runner of %s yet: %s", job_id, exc)
+            except Exception:  # never let one job's aftermath stop the others'
+                log.exception("cannot settle the runner of %s yet", job_id)
         for job_id, runner in list(self.state.runners.items()):
             wanted = desired.get(job_id)
             if wanted is None or wanted.generation != runner.assignment.generation:
@@ -230,7 +294,7 @@ class Agent:
                     self._warm_due = 0.0
                 self._stop_runner(job_id, runner)
         for job_id, assignment in desired.items():
-            if job_id in self.state.runners:
+            if job_id in self.state.runners or job_id in self.state.exited:
                 continue
             done = self.state.finished.get(job_id)
             if done is not None and done[0] == assignment.generation:
@@ -246,19 +310,74 @@ class Agent:
             code = runner.process.poll()
             if code is not None:
                 log.info("runner of %s exited with %d", job_id, code)
-                self.state.finished[job_id] = (runner.assignment.generation, code)
                 del self.state.runners[job_id]
+                self.state.exited[job_id] = _Exited(
+                    runner.assignment, runner.process.pid, code,
+                    stopping=runner.stop_deadline is not None,
+                    outcome=read_outcome(self._job_dir(runner.assignment), runner.process.pid),
+                )
             elif runner.stop_deadline is not None and now > runner.stop_deadline:
                 log.warning("runner of %s ignored SIGTERM; killing it", job_id)
                 with contextlib.suppress(ProcessLookupError):
                     runner.process.kill()
 
+    def _settle(self, job_id: str, wanted: Assignment | None) -> None:
+        """Write what a runner that exited left unsaid, and restart it if it is charged.
+
+        Stays pending (retried on the next pass) while etcd cannot be read or written.
+        """
+        exited = self.state.exited[job_id]
+        assignment = exited.assignment
+        if self._client is None:
+            return
+        stopping = exited.stopping or wanted is None or wanted.generation != assignment.generation
+        reported = None
+        if not stopping:
+            kv = self._client.get(self._client.keys.status(job_id, self.settings.node_id))
+            try:
+                reported = JobNodeStatus.model_validate_json(kv.value) if kv else None
+            except ValidationError as exc:
+                log.error("ignoring the malformed status of %s: %s", job_id, exc)
+        job_dir = self._job_dir(assignment)
+        aftermath = after_exit(
+            assignment=assignment, node_id=self.settings.node_id, pid=exited.pid,
+            code=exited.code, stopping=stopping, reported=reported, outcome=exited.outcome,
+            log_tail="" if stopping else _tail(job_dir / "runner.log", LOG_TAIL_BYTES),
+        )
+        if aftermath.status is not None:
+            status = aftermath.status.model_copy(update={"updated_at": utcnow()})
+            self._client.put(self._client.keys.status(job_id, self.settings.node_id),
+                             status.model_dump_json().encode())
+            error = status.error.message if status.error else ""
+            log.warning("job %s on this node: %s (%s)", job_id, status.state.value, error)
+        del self.state.exited[job_id]
+        if aftermath.action == Action.RESTART and aftermath.status is not None:
+            if self.metrics is not None:
+                self.metrics.count_restart(job_id, RestartReason.WORKER_FAILED.value)
+            self._start_runner(assignment, prior=aftermath.status)
+        else:
+            self.state.finished[job_id] = (assignment.generation, exited.code)
+
     def _job_dir(self, assignment: Assignment) -> Path:
         return self.settings.run_dir / "jobs" / assignment.job_id / f"gen-{assignment.generation}"
 
-    def _start_runner(self, assignment: Assignment) -> None:
+    def _start_runner(self, assignment: Assignment, prior: JobNodeStatus | None = None) -> None:
+        """Start (or hand the warm runner) ``assignment``; a failure to counts as a crash."""
+        try:
+            self._launch(assignment, prior)
+        except Exception as exc:
+            log.exception("could not start a runner for %s", assignment.job_id)
+            self.state.exited[assignment.job_id] = _Exited(
+                assignment, 0, EXIT_CRASHED, stopping=False,
+                outcome=RunnerOutcome(pid=0, message=f"could not start it: {exc}"),
+            )
+        with self._jobs_lock:
+            self._jobs_seen.add(assignment.job_id)
+
+    def _launch(self, assignment: Assignment, prior: JobNodeStatus | None) -> None:
         job_dir = self._job_dir(assignment)
         job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / OUTCOME_FILE).unlink(missing_ok=True)  # a predecessor's
         spec = RunnerSpec(
             assignment=assignment,
             node_id=self.settings.node_id,
@@ -268,6 +387,7 @@ class Agent:
             parent_pid=os.getpid(),
             log_max_bytes=self.settings.log_max_bytes,
             lease_ttl_s=self.settings.lease_ttl_s,
+            prior=prior,
         )
         spec_path = job_dir / "runner-spec.json"
         with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -285,8 +405,6 @@ class Agent:
                 )
             log.info("started runner %d for job %s", process.pid, assignment.job_id)
         self.state.runners[assignment.job_id] = _Runner(assignment, process)
-        with self._jobs_lock:
-            self._jobs_seen.add(assignment.job_id)
 
     def _runner_env(self, job_id: str | None) -> dict[str, str]:
         """The runner's environment: marks it as this node's and job's; carries the
@@ -406,3 +524,16 @@ class Agent:
     @staticmethod
     def stopped_on_request(code: int) -> bool:
         return code == EXIT_STOPPED
+
+
+def _tail(path: Path, size: int) -> str:
+    """The last ``size`` bytes of ``path`` from a line start, or "" if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode(errors="replace")
+    return text.partition("\n")[2] if len(data) >= size else text

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rendezvous.client import EtcdClient
+from rendezvous.client import EtcdClient, Put
 from rendezvous.records import Assignment, JobNodeStatus
 from tests.support.processes import ProcessGroupRegistry
 
@@ -111,9 +111,45 @@ class AgentCluster:
         return "\n".join(out)
 
 
+def job_record_for(assignment: Assignment, nodes: dict[str, int]) -> bytes:
+    """The coordinator's record of ``assignment``'s job, placed on ``nodes``
+    (node -> generation): what an agent checks an assignment against
+    (agent.admission). The spec is built unvalidated, so that a test may give
+    its job ``TIDAL_*`` variables that a user could not."""
+    from service.models import JobRecord, JobSpec
+
+    spec = JobSpec.model_construct(
+        name="test", command=list(assignment.command), env=dict(assignment.env),
+        min_nodes=assignment.min_nodes, max_nodes=assignment.max_nodes,
+        nproc_per_node=assignment.nproc_per_node, max_restarts=assignment.max_restarts,
+        grace_period_s=assignment.grace_period_s, working_dir=None, checkpoint_dir=None,
+        node_selector={}, priority=0, resize_policy=None,
+    )
+    record = JobRecord(
+        job_id=assignment.job_id, spec=spec, cwd=assignment.cwd,
+        checkpoint_path=assignment.checkpoint_dir, nodes=nodes,
+    )
+    return record.model_dump_json().encode()
+
+
 def assign(client: EtcdClient, node_id: str, assignment: Assignment) -> None:
-    key = client.keys.assignment(node_id, assignment.job_id)
-    client.put(key, assignment.model_dump_json().encode())
+    """Assign a job to a node as the coordinator does: its record (with this
+    node at this generation) and the assignment, in one transaction."""
+    job_key = client.keys.job(assignment.job_id)
+    old = client.get(job_key)
+    nodes = json.loads(old.value).get("nodes", {}) if old is not None else {}
+    nodes[node_id] = assignment.generation
+    client.txn([], [
+        Put(job_key, job_record_for(assignment, nodes)),
+        Put(client.keys.assignment(node_id, assignment.job_id),
+            assignment.model_dump_json().encode()),
+    ])
+
+
+def assign_by_hand(client: EtcdClient, node_id: str, assignment: Assignment) -> None:
+    """Put an assignment as anyone who can write to etcd could: no job record."""
+    client.put(client.keys.assignment(node_id, assignment.job_id),
+               assignment.model_dump_json().encode())
 
 
 def unassign(client: EtcdClient, node_id: str, job_id: str) -> None:
