@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
-from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
+from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
 from agent.zygote import ZygoteProcess
 from rendezvous.assigned import AssignedRendezvousHandler
@@ -245,6 +245,23 @@ class TidalElasticAgent(LocalElasticAgent):
         self._report_running()
 
 
+def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
+    """The first status record of a runner: a fresh one, or its dead predecessor's, going on."""
+    job = spec.assignment
+    if spec.prior is not None:
+        return spec.prior.model_copy(update={
+            "state": JobNodeState.STARTING, "world_size": 0, "ranks": [], "pid": pid,
+        })
+    return JobNodeStatus(
+        job_id=job.job_id,
+        node_id=spec.node_id,
+        generation=job.generation,
+        state=JobNodeState.STARTING,
+        remaining_restarts=job.max_restarts,
+        pid=pid,
+    )
+
+
 def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
     """Run the job's worker group until it succeeds, fails, or this node leaves.
 
@@ -255,16 +272,11 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     client = create_client(spec.etcd)
     reporter = StatusReporter(
         client,
-        JobNodeStatus(
-            job_id=job.job_id,
-            node_id=spec.node_id,
-            generation=job.generation,
-            state=JobNodeState.STARTING,
-            remaining_restarts=job.max_restarts,
-            pid=os.getpid(),
-        ),
+        initial_status(spec, os.getpid()),
         progress_dir=progress_dir,
         metrics_path=spec.job_dir / RUNNER_METRICS_FILE,
+        # A runner that replaces a dead one of this generation goes on counting.
+        resume_metrics=spec.prior is not None,
     ).start()
     configure_elastic_metrics(reporter.recorder)
     keys = Keys(spec.etcd.root)
@@ -286,9 +298,12 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         role="trainer",
         local_world_size=job.nproc_per_node,
         entrypoint=sys.executable,
-        args=("-m", "agent.worker_shim", str(os.getpid()), "--", *job.command),
+        args=("-m", "agent.worker_shim", str(os.getpid()), "--",
+              *job_command(job.command, sys.executable)),
         rdzv_handler=handler,
-        max_restarts=job.max_restarts,
+        # What is left of the budget: less than the job's after this
+        # generation's runner died here (agent.supervise).
+        max_restarts=reporter.status.remaining_restarts,
         monitor_interval=0.1,
         local_addr=spec.address,
     )

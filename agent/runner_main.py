@@ -13,32 +13,57 @@ seconds so starts a job's workers without paying for ``python`` and
 environment, so a job that sets an import-time variable (``PYTHONPATH``,
 ``LD_PRELOAD``, ``TORCH_*``, ...; see :func:`import_time_differences`)
 gets a new zygote started with its own.
+
+The working and checkpoint directories are checked here, right before use
+(:mod:`agent.jobpaths`): a job whose directory is missing, is a file or has
+become a symlink fails at once with that reason in its status. Any other
+error of the runner itself ends it with :data:`~agent.spec.EXIT_CRASHED` and
+an outcome file, and the daemon decides (:mod:`agent.supervise`).
+
+A bare ``python`` or ``python3`` as the command's first word means this
+runner's own interpreter (:func:`agent.spec.job_command`), the one tidal is installed
+in, whatever ``python`` is on the node's ``PATH``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.jobpaths import JobSetupError, ensure_directory, enter_directory
 from agent.lifeline import die_with_parent
 from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
 
 if TYPE_CHECKING:
     from agent.spec import RunnerSpec
 
-
 def prepare_environment(spec: RunnerSpec) -> Path:
-    """Working directory and environment the workers inherit; returns the progress dir."""
+    """Working directory and environment the workers inherit; returns the progress dir.
+
+    Raises:
+        JobSetupError: the working or checkpoint directory is missing, a file,
+            or reached through a symlink (:mod:`agent.jobpaths`).
+    """
     from agent.netif import socket_interface_env
 
     job = spec.assignment
     progress_dir = spec.job_dir / "progress"
     progress_dir.mkdir(parents=True, exist_ok=True)
+    if spec.prior is not None:
+        # This runner replaces one that died: its workers' progress files (a
+        # higher restart count than ours will have) would hide our workers'.
+        for stale in progress_dir.glob("rank-*.json"):
+            stale.unlink(missing_ok=True)
     if job.cwd:
-        os.chdir(job.cwd)
+        enter_directory(job.cwd, what="working directory")
+    if job.checkpoint_dir:
+        ensure_directory(job.checkpoint_dir, what="checkpoint directory")
     os.environ.update(job.env)
     os.environ.update(
         {
@@ -132,6 +157,79 @@ def _run(spec: RunnerSpec, progress_dir: Path, zygote: ZygoteProcess | None) -> 
     return run(spec, progress_dir=progress_dir, zygote=zygote)
 
 
+def report_setup_failure(spec: RunnerSpec, exc: JobSetupError) -> None:
+    """Write the job's status FAILED here with ``exc`` as its root cause.
+
+    If etcd cannot be reached, the outcome file (written first) lets the
+    daemon report it instead.
+    """
+    from agent.spec import EXIT_FAILED, RunnerOutcome, write_outcome
+    from agent.supervise import RUNNER_RANK
+    from rendezvous.client import create_client
+    from rendezvous.errors import EtcdError
+    from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError, utcnow
+
+    job = spec.assignment
+    with _logged_oserror("the outcome file"):
+        write_outcome(spec.job_dir, RunnerOutcome(pid=os.getpid(), message=str(exc)))
+    base = spec.prior or JobNodeStatus(
+        job_id=job.job_id, node_id=spec.node_id, generation=job.generation,
+        state=JobNodeState.STARTING, remaining_restarts=job.max_restarts,
+    )
+    status = base.model_copy(update={
+        "state": JobNodeState.FAILED,
+        "error": WorkerError(rank=RUNNER_RANK, exit_code=EXIT_FAILED, message=str(exc)[-4000:]),
+        "world_size": 0, "ranks": [], "pid": os.getpid(), "updated_at": utcnow(),
+    })
+    try:
+        client = create_client(spec.etcd)
+        try:
+            client.put(client.keys.status(job.job_id, spec.node_id),
+                       status.model_dump_json().encode())
+        finally:
+            client.close()
+    except EtcdError as exc_etcd:
+        logging.getLogger("tidal.runner").error(
+            "could not report the failure to etcd (the agent will): %s", exc_etcd)
+
+
+@contextlib.contextmanager
+def _logged_oserror(what: str) -> Iterator[None]:
+    """Log an OSError of the block instead of raising it: the exit code still tells."""
+    try:
+        yield
+    except OSError as exc:
+        logging.getLogger("tidal.runner").warning("could not write %s: %s", what, exc)
+
+
+def guarded(spec: RunnerSpec, body: Callable[[], int]) -> int:
+    """Run ``body``; turn its errors into an exit code the daemon understands.
+
+    A :class:`JobSetupError` fails the job here (status FAILED, with the
+    reason): retrying cannot help. Any other exception is the runner's own
+    failure: an outcome file with the traceback and
+    :data:`~agent.spec.EXIT_CRASHED`, which the daemon charges to the job's
+    restart budget (:mod:`agent.supervise`).
+    """
+    from agent.spec import EXIT_CRASHED, EXIT_FAILED, RunnerOutcome, write_outcome
+
+    log = logging.getLogger("tidal.runner")
+    try:
+        return body()
+    except JobSetupError as exc:
+        log.error("the job cannot start on this node: %s", exc)
+        report_setup_failure(spec, exc)
+        return EXIT_FAILED
+    except Exception as exc:
+        log.exception("the runner failed")
+        with _logged_oserror("the outcome file"):
+            write_outcome(spec.job_dir, RunnerOutcome(
+                pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"[-4000:],
+                traceback=traceback.format_exc()[-60000:],
+            ))
+        return EXIT_CRASHED
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--warm"] and len(argv) <= 2:  # [TITLE_ROOM]
         return warm_main()
@@ -141,6 +239,10 @@ def main(argv: list[str]) -> int:
     spec = load_spec(Path(argv[0]), take_password())
     die_with_parent(expected_parent=spec.parent_pid)
     _configure_logging(spec.assignment.job_id)
+    return guarded(spec, lambda: _cold(spec))
+
+
+def _cold(spec: RunnerSpec) -> int:
     progress_dir = prepare_environment(spec)
     zygote = None if spec.assignment.env.get(ENV_SWITCH) == "0" else _start_zygote()
     try:
@@ -183,18 +285,24 @@ def warm_main() -> int:
             spec.assignment.generation,
         )
         _retitle(f"{sys.executable} -m agent.runner_main {line}")
-        progress_dir = prepare_environment(spec)
-        if zygote is not None and spec.assignment.env.get(ENV_SWITCH) == "0":
-            zygote.close()
-            zygote = None
-            os.environ.pop(ENV_SOCKET, None)
-        elif zygote is not None and (
-            changed := import_time_differences(zygote_env, dict(os.environ))
-        ):
-            log.info("the job sets %s: starting a zygote with its environment", ", ".join(changed))
-            zygote.close()
-            zygote = _start_zygote()
-        return _run(spec, progress_dir, zygote)
+
+        def take(spec: RunnerSpec = spec) -> int:
+            nonlocal zygote
+            progress_dir = prepare_environment(spec)
+            if zygote is not None and spec.assignment.env.get(ENV_SWITCH) == "0":
+                zygote.close()
+                zygote = None
+                os.environ.pop(ENV_SOCKET, None)
+            elif zygote is not None and (
+                changed := import_time_differences(zygote_env, dict(os.environ))
+            ):
+                log.info("the job sets %s: starting a zygote with its environment",
+                         ", ".join(changed))
+                zygote.close()
+                zygote = _start_zygote()
+            return _run(spec, progress_dir, zygote)
+
+        return guarded(spec, take)
     finally:
         if zygote is not None:
             zygote.close()

@@ -279,11 +279,19 @@ class RunnerMetricsRecorder:
     Args:
         job_id, node_id, generation: what the runner runs.
         pid: the runner's process id.
+        seed: counters to start from (those of a runner this one replaces).
     """
 
-    def __init__(self, *, job_id: str, node_id: str, generation: int, pid: int) -> None:
+    def __init__(
+        self, *, job_id: str, node_id: str, generation: int, pid: int,
+        seed: RunnerMetrics | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._data = RunnerMetrics(job_id=job_id, node_id=node_id, generation=generation, pid=pid)
+        if seed is not None and (seed.job_id, seed.node_id, seed.generation) == (
+            job_id, node_id, generation
+        ):  # a dead runner's counters of this generation: go on from them
+            self._data = seed.model_copy(deep=True, update={"pid": pid})
         self._version = 0
         self._warned = False
 
@@ -372,6 +380,9 @@ class StatusReporter:
         progress_dir: where the workers' progress files are, if any.
         metrics_path: where to keep the runner's :class:`RunnerMetrics`, if anywhere.
         min_interval_s: least time between two writes of non-terminal states.
+        resume_metrics: start from the counters in ``metrics_path`` (a runner
+            that replaces a dead one of the same generation: the agent's
+            counters, summed over these files, must not go back).
     """
 
     def __init__(
@@ -382,6 +393,7 @@ class StatusReporter:
         progress_dir: Path | None = None,
         metrics_path: Path | None = None,
         min_interval_s: float = 1.0,
+        resume_metrics: bool = False,
     ) -> None:
         self._client = client
         self._key = client.keys.status(status.job_id, status.node_id)
@@ -396,9 +408,10 @@ class StatusReporter:
         self._last_write = 0.0
         self._recovery: _Recovery | None = None
         self._metrics_written = -1
+        seed = read_runner_metrics(metrics_path) if resume_metrics and metrics_path else None
         self.recorder = RunnerMetricsRecorder(
             job_id=status.job_id, node_id=status.node_id, generation=status.generation,
-            pid=os.getpid(),
+            pid=os.getpid(), seed=seed,
         )
         self._thread = threading.Thread(target=self._run, name="status reporter", daemon=True)
 
