@@ -50,6 +50,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from agent.admission import AssignmentGate
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import (
@@ -133,6 +134,7 @@ class Agent:
         self._stop = threading.Event()
         self._client: EtcdClient | None = None
         self._watcher: PrefixWatcher | None = None
+        self._gate: AssignmentGate | None = None  # built with the client (see _desired)
         self._jobs_lock = threading.Lock()
         self._jobs_seen: set[str] = set()
         self.metrics: AgentMetrics | None = None
@@ -237,15 +239,36 @@ class Agent:
         self._wake.set()
 
     def _desired(self) -> dict[str, Assignment]:
-        assert self._watcher is not None
+        """The assignments to run: those the coordinator wrote (agent.admission).
+
+        One not (yet) admitted never starts a runner. It does not stop one
+        either: a runner whose assignment changed to one not admitted keeps
+        running its admitted generation until the change is admitted or the
+        assignment is deleted.
+        """
+        assert self._watcher is not None and self._client is not None
+        if self._gate is None:
+            self._gate = AssignmentGate(self._client, self.settings.node_id)
         desired: dict[str, Assignment] = {}
-        for key, kv in self._watcher.snapshot().items():
+        snapshot = self._watcher.snapshot()
+        self._gate.forget_except(snapshot)
+        for key, kv in snapshot.items():
             try:
                 assignment = Assignment.model_validate_json(kv.value)
             except ValidationError as exc:
                 log.error("ignoring the malformed assignment %s: %s", key, exc)
                 continue
-            desired[assignment.job_id] = assignment
+            job_id = assignment.job_id
+            runner = self.state.runners.get(job_id)
+            done = self.state.finished.get(job_id)
+            if (runner is not None and runner.assignment.generation == assignment.generation) or (
+                done is not None and done[0] == assignment.generation
+            ):
+                desired[job_id] = assignment  # admitted when it started
+            elif self._gate.admitted(key, kv, assignment):
+                desired[job_id] = assignment
+            elif runner is not None:
+                desired[job_id] = runner.assignment
         return desired
 
     # reconcile -----------------------------------------------------------------
