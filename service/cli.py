@@ -6,10 +6,12 @@ Subcommands so far:
   loopback port until interrupted, for plain ``torchrun --rdzv-backend=etcd-v3``
   or for trying tidal out;
 * ``tidal rdzv-clean JOB``: delete a job's rendezvous keys now rather than
-  waiting for their lease to expire.
+  waiting for their lease to expire;
+* ``tidal agent``, ``tidal coordinator``: the two long-running processes.
 
 Configuration precedence: flags, then ``TIDAL_*`` environment variables, then
-defaults.
+defaults. Invalid settings exit with status 2 and a message naming each field;
+a secret's value (the API token, the etcd password) is never printed.
 """
 
 from __future__ import annotations
@@ -22,33 +24,51 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import click
+from pydantic import ValidationError
 
 from rendezvous.client import EtcdConfig, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
+from rendezvous.settings import settings_error_message
 from service.commands import register as register_job_commands
+from service.ready import ReadyFile, write_ready
+from service.settings import SettingsError, build_settings
 from service.up import up_command
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
 
 F = TypeVar("F", bound=Callable[..., object])
 
 
 def etcd_access_options(func: F) -> F:
     """The flags that say how to reach a TLS- and password-protected etcd. The
-    password has no flag (a command line is visible to every local user): it
-    comes from TIDAL_ETCD_PASSWORD."""
+    password has no flag of its own (a command line is visible to every local
+    user): it comes from a file (--etcd-password-file) or TIDAL_ETCD_PASSWORD."""
     path = click.Path(path_type=Path, dir_okay=False)
     for option in reversed([
         click.option("--etcd-ca-cert", type=path,
                      help="CA bundle that signed etcd's certificate; turns TLS on."),
         click.option("--etcd-cert", type=path, help="Client certificate for etcd (PEM)."),
         click.option("--etcd-key", type=path, help="Key of the client certificate (PEM)."),
-        click.option("--etcd-user", help="etcd user (password from TIDAL_ETCD_PASSWORD)."),
+        click.option("--etcd-user", help="etcd user (password from --etcd-password-file "
+                     "or TIDAL_ETCD_PASSWORD)."),
+        click.option("--etcd-password-file", type=path,
+                     help="File holding the etcd user's password (keep it mode 0600)."),
     ]):
         func = option(func)
     return func
+
+
+def ready_file_option(func: F) -> F:
+    """``--ready-file PATH``: where to say, once serving, the pid and port (service.ready)."""
+    return click.option(
+        "--ready-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+        help="Write a JSON ready file here once serving (pid, URL or metrics port); "
+        "`tidal up` reads it.")(func)
 
 
 @click.group()
@@ -129,6 +149,8 @@ def rdzv_clean(
         )
         with create_client(config) as client:
             deleted = client.delete_prefix(client.keys.rdzv_prefix(job))
+    except ValidationError as exc:
+        raise SettingsError(settings_error_message(exc, EtcdConfig)) from None
     except (EtcdError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"deleted {deleted} rendezvous keys of {job}")
@@ -147,10 +169,14 @@ def rdzv_clean(
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @click.option("--log-max-bytes", type=int,
               help="Cap per rank log file (rotated to NAME.1 beyond it; default 100 MiB).")
+@click.option("--metrics-host",
+              help="Address /metrics listens on (default 0.0.0.0: every interface, so that "
+              "a Prometheus elsewhere can scrape it; `tidal up` uses 127.0.0.1).")
 @click.option("--warm-runner/--no-warm-runner", default=None,
               help="Keep a runner with torch imported ready for the next job (default: on; "
               "costs about 0.5 GB of memory while idle).")
-def agent_command(**flags: object) -> None:
+@ready_file_option
+def agent_command(ready_file: Path | None, **flags: object) -> None:
     """Run the node agent: register this node and run the jobs assigned to it."""
     # The CLI is the composition root: the agent is imported only here, so the
     # coordinator never loads it (nor torch).
@@ -163,10 +189,9 @@ def agent_command(**flags: object) -> None:
         if any(len(p) != 2 for p in pairs):
             raise click.BadParameter("labels must be KEY=VALUE", param_hint="--label")
         given["labels"] = dict(pairs)
-    try:
-        settings = AgentSettings(**given)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+    settings = build_settings(AgentSettings, given)
+    if ready_file is not None and settings.metrics_port is None:
+        raise SettingsError("--ready-file needs --metrics-port (the file names the port)")
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     own_log = logging.handlers.RotatingFileHandler(
         settings.run_dir / "agent.log", maxBytes=10 * 1024 * 1024, backupCount=3
@@ -176,10 +201,30 @@ def agent_command(**flags: object) -> None:
     agent = Agent(settings)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())
+    done = threading.Event()
+    if ready_file is not None:
+        threading.Thread(target=_announce_agent, args=(agent, ready_file, done),
+                         name="ready-file", daemon=True).start()
     try:
         agent.run()
     except EtcdError as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        done.set()
+
+
+def _announce_agent(agent: Agent, path: Path, done: threading.Event) -> None:
+    """Write the agent's ready file once it has registered and serves /metrics.
+
+    The daemon sets ``metrics_port`` right after registering its node; this
+    thread waits for it (the daemon has no other hook, and its log lines are
+    not a protocol).
+    """
+    while not done.wait(0.05):
+        port = agent.metrics_port
+        if port is not None:
+            write_ready(path, ReadyFile(pid=os.getpid(), metrics_port=port))
+            return
 
 
 @cli.command("coordinator")
@@ -198,16 +243,19 @@ def agent_command(**flags: object) -> None:
               help="Jobs' checkpoint directories lie under this.")
 @click.option("--election-ttl", "election_ttl_s", type=int,
               help="Seconds until a dead leader is replaced.")
-def coordinator_command(**flags: object) -> None:
+@ready_file_option
+def coordinator_command(ready_file: Path | None, **flags: object) -> None:
     """Run the coordinator: the HTTP API and (when elected) the scheduler."""
     from service.coordinator import Coordinator
     from service.settings import CoordinatorSettings
 
     given = {k: v for k, v in flags.items() if v not in (None, ())}
+    settings = build_settings(CoordinatorSettings, given)
     try:
-        settings = CoordinatorSettings(**given)  # type: ignore[arg-type]
         coordinator = Coordinator(settings)
-    except (ValueError, EtcdError) as exc:
+    except ValueError as exc:  # the token file: unreadable, empty, too short
+        raise SettingsError(str(exc)) from exc
+    except EtcdError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
         sock = coordinator.bind()
@@ -217,8 +265,10 @@ def coordinator_command(**flags: object) -> None:
             f"cannot serve on {settings.host}:{settings.port}: {exc}"
         ) from exc
     coordinator.start()
-    # Tests and `tidal up` read the URL from this line (the port may have been 0).
+    # For people; `tidal up` reads the ready file (the port may have been 0).
     click.echo(f"tidal coordinator serving on {coordinator.url}", err=True)
+    if ready_file is not None:
+        write_ready(ready_file, ReadyFile(pid=os.getpid(), url=coordinator.url))
     coordinator.serve(sock)
 
 

@@ -1,4 +1,9 @@
-"""Configuration of one coordinator process: flags > TIDAL_* environment > defaults."""
+"""Configuration of one coordinator process: flags > TIDAL_* environment > defaults.
+
+Also the one way the CLI turns invalid settings into an error
+(:func:`build_settings`, :class:`SettingsError`): exit status 2, a line per
+field, never a secret's value.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,33 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import Field, SecretStr, model_validator
+import click
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rendezvous.settings import EtcdSettings
+from rendezvous.settings import EtcdSettings, settings_error_message
+
+S = TypeVar("S", bound=BaseModel)
+
+
+class SettingsError(click.ClickException):
+    """Invalid settings: exit status 2, as for a usage error."""
+
+    exit_code = 2
+
+
+def build_settings(model: type[S], given: dict[str, object]) -> S:
+    """``model(**given)`` (flags over ``TIDAL_*`` over defaults).
+
+    Raises:
+        SettingsError: a message naming each bad field, without any secret's value.
+    """
+    try:
+        return model(**given)
+    except ValidationError as exc:
+        raise SettingsError(settings_error_message(exc, model)) from None
 
 
 def _replica_id() -> str:

@@ -10,6 +10,23 @@ after a grace), the coordinator, then etcd. :func:`up_command` is ``tidal up``
 around it; ``examples/demo.py`` drives the class directly, killing and adding
 nodes.
 
+etcd runs with authentication on. Before the first child starts,
+:func:`rendezvous.etcd_auth.enable_auth` creates the users and roles of
+:data:`rendezvous.etcd_auth.ROLES` (the ones ``deploy/etcd/setup-auth.sh``
+creates on a real deployment) with passwords kept in ``STATE/etcd-auth/``; the
+coordinator runs as ``tidal-coordinator`` and the agents as ``tidal-agent``,
+each reading its password from its file (``--etcd-password-file``), so it is
+in no process's environment. A write without credentials is refused.
+
+The cluster supervises its children (:meth:`LocalCluster.start` starts a
+thread for it): a coordinator or agent that exits while the cluster runs is
+started again, on the same port and node id, after a delay that doubles with
+each quick death (:class:`RestartPolicy`); every restart is logged. The state
+is in etcd, so a new coordinator picks up where the old one was, and the jobs
+on the agents never notice. Children say they are ready in a ready file
+(:mod:`service.ready`), never through their log text. etcd itself is not
+restarted: when it exits, the cluster stops.
+
 The coordinator must stay torch-free and so must this module: agents are never
 imported here, they run as ``python -m service.cli agent`` subprocesses.
 
@@ -23,8 +40,11 @@ The state directory::
     STATE/token          the API token (mode 0600)
     STATE/cluster.json   what runs now; removed on a clean stop
     STATE/etcd/          etcd's data, kept: jobs outlive a restart of `tidal up`
+    STATE/etcd-auth/     etcd passwords: root, tidal-coordinator, tidal-agent
+                         (directory 0700, files 0600); kept with etcd's data
     STATE/logs/          etcd.log, coordinator.log, node-<i>.log
     STATE/run/node-<i>/  each agent's run directory (its jobs' worker logs)
+    STATE/run/<name>.ready.json  each child's ready file (service/ready.py)
     STATE/checkpoints/   the default checkpoint root
     STATE/prometheus/    with --prometheus: its configuration, agent targets and data
                          (service/prometheus.py); its output in STATE/logs/prometheus.log
@@ -53,9 +73,20 @@ from typing import Any
 import click
 import httpx
 
+from rendezvous.client import EtcdConfig
 from rendezvous.errors import EtcdError
+from rendezvous.etcd_auth import (
+    AGENT_USER,
+    COORDINATOR_USER,
+    ROOT_USER,
+    USERS,
+    enable_auth,
+    find_etcdctl,
+)
 from rendezvous.etcd_server import EtcdServer
 from service.prometheus import LocalPrometheus, PrometheusError, target_of
+from service.ready import ReadyFile, read_ready, write_atomically
+from service.settings import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +97,9 @@ CLUSTER_FILE = "cluster.json"
 TOKEN_FILE = "token"  # noqa: S105 (a file name, not a secret)
 HTTP_TIMEOUT_S = 5.0
 COORDINATOR_STOP_S = 10.0
-
-# The coordinator prints its URL (its port may have been 0) and the agent logs
-# its metrics port (0 too: the kernel picks a free one, no probing race).
-_SERVING_RE = re.compile(r"tidal coordinator serving on (http://\S+)")
-_METRICS_RE = re.compile(r"metrics on :(\d+)/metrics")
+ETCD_AUTH_DIR = "etcd-auth"
+SUPERVISE_INTERVAL_S = 0.2
+_URL_PORT_RE = re.compile(r":(\d+)$")
 
 
 class ClusterError(Exception):
@@ -87,6 +116,32 @@ def default_state_dir() -> Path:
     return Path(home).expanduser() if home else Path.home() / ".tidal"
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to start a child again that died.
+
+    The first restart comes after ``base_s``; each further death of a child
+    that ran less than ``stable_s`` doubles the delay, up to ``max_s``, which
+    bounds the restart rate of a child that keeps dying. A child that ran
+    ``stable_s`` or longer starts the count again.
+    """
+
+    base_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 60.0
+
+    def next_delay(self, *, quick_deaths: int, ran_s: float) -> tuple[float, int]:
+        """The delay before the next start, and the count of quick deaths to keep.
+
+        Args:
+            quick_deaths: deaths in a row, before this one, of a child that
+                ran less than ``stable_s``.
+            ran_s: how long the child ran this time.
+        """
+        deaths = 0 if ran_s >= self.stable_s else quick_deaths
+        return min(self.max_s, self.base_s * 2.0 ** min(deaths, 32)), deaths + 1
+
+
 @dataclass
 class _Child:
     """One process this cluster started, in its own process group."""
@@ -95,12 +150,28 @@ class _Child:
     process: subprocess.Popen[bytes]
     log_path: Path
     log_offset: int  # where this run's output starts in an appended log
+    ready_file: Path
+    started_at: float  # monotonic
     run_dir: Path | None = None  # agents only
-    metrics_port: int | None = None  # agents only, once logged
+    metrics_port: int | None = None  # agents only, from the ready file
+    url: str | None = None  # the coordinator only, from the ready file
+    # Supervision: set while it is dead and waiting to be started again.
+    restart_at: float | None = None
+    quick_deaths: int = 0
+    restarts: int = 0
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def read_ready(self) -> bool:
+        """True once the ready file of this incarnation is there (sets url/metrics_port)."""
+        ready: ReadyFile | None = read_ready(self.ready_file, self.pid)
+        if ready is None:
+            return False
+        self.url = ready.url or self.url
+        self.metrics_port = ready.metrics_port or self.metrics_port
+        return True
 
     def new_output(self) -> str:
         try:
@@ -144,21 +215,7 @@ def _child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
 
 
-def _write_atomically(path: Path, text: str, *, mode: int = 0o644) -> None:
-    """Write ``path`` through a temporary file and a rename: readers never see half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # O_CREAT's mode is masked by the umask
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+_write_atomically = write_atomically
 
 
 def _is_coordinator(pid: int) -> bool:
@@ -199,6 +256,8 @@ class LocalCluster:
         ready_timeout_s: how long :meth:`start` and :meth:`add_agent` wait.
         stop_grace_s: how long :meth:`stop` waits for agents after SIGTERM.
         python: the interpreter the children run under.
+        supervise: start a coordinator or agent again when it dies.
+        restart_policy: how soon (see :class:`RestartPolicy`).
 
     Raises:
         ValueError: an option is out of range.
@@ -218,6 +277,8 @@ class LocalCluster:
         ready_timeout_s: float = 60.0,
         stop_grace_s: float = 15.0,
         python: str = sys.executable,
+        supervise: bool = True,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         if agents < 0:
             raise ValueError(f"agents ({agents}) must not be negative")
@@ -240,6 +301,9 @@ class LocalCluster:
         self.run_root = self.state_dir / "run"
         self.token_file = self.state_dir / TOKEN_FILE
         self.cluster_file = self.state_dir / CLUSTER_FILE
+        self.etcd_auth_dir = self.state_dir / ETCD_AUTH_DIR
+        self.supervise = supervise
+        self.restart_policy = restart_policy or RestartPolicy()
         self._initial_agents = agents
         self._token = token.strip() if token is not None else secrets.token_urlsafe(32)
         self._etcd: EtcdServer | None = None
@@ -250,6 +314,12 @@ class LocalCluster:
         self._started = False
         self._stopped = False
         self._wrote_cluster_file = False  # never remove another cluster's file
+        # The supervisor thread and the caller's thread both change the children.
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._exits: list[ChildExit] = []
+        self._coordinator_port = 0  # 0 until the first coordinator serves
 
     # what it runs ---------------------------------------------------------------------
 
@@ -279,16 +349,50 @@ class LocalCluster:
 
     @property
     def node_ids(self) -> list[str]:
-        """The agents this cluster runs now (killed or exited ones are gone)."""
-        return list(self._agents)
+        """The agents this cluster runs (killed ones are gone; one being restarted is not)."""
+        with self._lock:
+            return list(self._agents)
+
+    def etcd_password_file(self, user: str) -> Path:
+        """The file holding etcd user ``user``'s password (one of :data:`USERS`)."""
+        if user not in USERS:
+            raise ValueError(f"no etcd user {user!r} in a local cluster (users: {USERS})")
+        return self.etcd_auth_dir / user
+
+    def etcd_config(self, user: str = ROOT_USER, *, timeout_s: float = 5.0) -> EtcdConfig:
+        """How to reach this cluster's etcd as ``user`` (root by default: everything).
+
+        Raises:
+            ClusterError: the cluster has not been started.
+        """
+        return EtcdConfig(
+            endpoints=[self.etcd_endpoint], root=self.etcd_root, timeout_s=timeout_s,
+            user=user,
+            password=self.etcd_password_file(user).read_text().strip(),  # type: ignore[arg-type]
+        )
+
+    def coordinator_pid(self) -> int | None:
+        """The pid of the coordinator now running; None while it is being restarted."""
+        with self._lock:
+            child = self._coordinator
+            if child is None or child.process.poll() is not None:
+                return None
+            return child.pid
+
+    def restarts(self, name: str) -> int:
+        """How many times the supervisor started ``name`` (``coordinator`` or a node id) again."""
+        with self._lock:
+            child = self._coordinator if name == "coordinator" else self._agents.get(name)
+            return child.restarts if child is not None else 0
 
     def agent_pid(self, node_id: str) -> int:
-        """The pid (and process group) of ``node_id``'s agent.
+        """The pid (and process group) of ``node_id``'s agent (its latest incarnation).
 
         Raises:
             ClusterError: no such agent runs.
         """
-        return self._agent(node_id).pid
+        with self._lock:
+            return self._agent(node_id).pid
 
     def agent_run_dir(self, node_id: str) -> Path:
         """``node_id``'s run directory (its jobs' runner and worker logs).
@@ -310,24 +414,26 @@ class LocalCluster:
 
     def describe(self) -> dict[str, Any]:
         """What ``cluster.json`` holds."""
-        return {
-            "url": self.url,
-            "token_file": str(self.token_file),
-            "etcd_endpoint": self.etcd_endpoint,
-            "etcd_root": self.etcd_root,
-            "state_dir": str(self.state_dir),
-            "coordinator_pid": self._coordinator.pid if self._coordinator else None,
-            "etcd_pid": self._etcd.pid if self._etcd else None,
-            "agents": [
-                {
-                    "node_id": node_id,
-                    "pid": child.pid,
-                    "run_dir": str(child.run_dir),
-                    "metrics_port": child.metrics_port,
-                }
-                for node_id, child in self._agents.items()
-            ],
-        }
+        with self._lock:
+            return {
+                "url": self.url,
+                "token_file": str(self.token_file),
+                "etcd_endpoint": self.etcd_endpoint,
+                "etcd_root": self.etcd_root,
+                "etcd_password_files": {u: str(self.etcd_password_file(u)) for u in USERS},
+                "state_dir": str(self.state_dir),
+                "coordinator_pid": self._coordinator.pid if self._coordinator else None,
+                "etcd_pid": self._etcd.pid if self._etcd else None,
+                "agents": [
+                    {
+                        "node_id": node_id,
+                        "pid": child.pid,
+                        "run_dir": str(child.run_dir),
+                        "metrics_port": child.metrics_port,
+                    }
+                    for node_id, child in self._agents.items()
+                ],
+            }
 
     # starting -------------------------------------------------------------------------
 
@@ -349,6 +455,7 @@ class LocalCluster:
         try:
             self._prepare_state_dir()
             self._start_etcd()
+            self._enable_etcd_auth()
             self._coordinator = self._spawn("coordinator", self._coordinator_argv())
             for _ in range(self._initial_agents):
                 self._spawn_agent()
@@ -359,6 +466,10 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        if self.supervise:
+            self._supervisor = threading.Thread(
+                target=self._supervise_loop, name="tidal-up-supervisor", daemon=True)
+            self._supervisor.start()
         log.info("tidal is up at %s with %d node(s)", self._url, len(self._agents))
         return self
 
@@ -379,6 +490,36 @@ class LocalCluster:
             log.info("removing the stale %s of a cluster that is gone", self.cluster_file)
             self.cluster_file.unlink()
         _write_atomically(self.token_file, self._token + "\n", mode=0o600)
+        self._prepare_etcd_passwords()
+
+    def _prepare_etcd_passwords(self) -> None:
+        """Make a password for each etcd user that has none yet; keep existing ones
+        (etcd's data, kept across runs, has them)."""
+        self.etcd_auth_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.etcd_auth_dir, 0o700)
+        for user in USERS:
+            path = self.etcd_password_file(user)
+            if not path.exists():
+                _write_atomically(path, secrets.token_hex(24) + "\n", mode=0o600)
+            else:
+                os.chmod(path, 0o600)
+
+    def _enable_etcd_auth(self) -> None:
+        assert self._etcd is not None
+        passwords = {u: self.etcd_password_file(u).read_text().strip() for u in USERS}
+        try:
+            turned_on = enable_auth(
+                endpoint=self._etcd.endpoint, root=self.etcd_root, passwords=passwords,
+                etcdctl=find_etcdctl(self._etcd.binary),
+            )
+        except (EtcdError, ValueError) as exc:
+            raise ClusterError(
+                f"could not set up etcd's users and roles: {exc}. If {self.etcd_auth_dir} "
+                f"lost its files after etcd's data had authentication on, remove "
+                f"{self.state_dir / 'etcd'} (it holds the jobs) or restore them"
+            ) from exc
+        log.info("etcd authentication %s (users %s, passwords in %s)",
+                 "turned on" if turned_on else "is on", ", ".join(USERS), self.etcd_auth_dir)
 
     def _start_etcd(self) -> None:
         data_dir = self.state_dir / "etcd"
@@ -392,21 +533,46 @@ class LocalCluster:
         log.info("etcd %s at %s (pid %s)", self._etcd.version_text, self._etcd.endpoint,
                  self._etcd.pid)
 
-    def _coordinator_argv(self) -> list[str]:
+    def _ready_file(self, name: str) -> Path:
+        return self.run_root / f"{name}.ready.json"
+
+    def _coordinator_argv(self, port: int = 0) -> list[str]:
         return [
             self.python, "-m", "service.cli", "coordinator",
             "--etcd", self.etcd_endpoint,
             "--etcd-root", self.etcd_root,
+            "--etcd-user", COORDINATOR_USER,
+            "--etcd-password-file", str(self.etcd_password_file(COORDINATOR_USER)),
             "--host", "127.0.0.1",
-            "--port", "0",
+            "--port", str(port),
             "--token-file", str(self.token_file),
             "--workdir-root", str(self.workdir_root),
             "--checkpoint-root", str(self.checkpoint_root),
+            "--ready-file", str(self._ready_file("coordinator")),
+        ]
+
+    def _agent_argv(self, node_id: str, run_dir: Path, metrics_port: int = 0) -> list[str]:
+        return [
+            self.python, "-m", "service.cli", "agent",
+            "--etcd", self.etcd_endpoint,
+            "--etcd-root", self.etcd_root,
+            "--etcd-user", AGENT_USER,
+            "--etcd-password-file", str(self.etcd_password_file(AGENT_USER)),
+            "--node-id", node_id,
+            "--run-dir", str(run_dir),
+            "--lease-ttl", str(self.lease_ttl_s),
+            "--metrics-host", "127.0.0.1",
+            "--metrics-port", str(metrics_port),
+            "--slots", str(self.slots),
+            "--ready-file", str(self._ready_file(node_id)),
         ]
 
     def _spawn(self, name: str, argv: list[str], *, run_dir: Path | None = None) -> _Child:
         log_path = self.logs_dir / f"{name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
+        ready_file = self._ready_file(name)
+        with contextlib.suppress(FileNotFoundError):
+            ready_file.unlink()
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 argv,
@@ -417,25 +583,18 @@ class LocalCluster:
                 start_new_session=True,  # its own process group, stopped as a whole
             )
         log.info("started %s (pid %d), log %s", name, process.pid, log_path)
-        return _Child(name, process, log_path, offset, run_dir=run_dir)
+        return _Child(name, process, log_path, offset, ready_file, time.monotonic(),
+                      run_dir=run_dir)
 
     def _spawn_agent(self) -> str:
-        node_id = f"node-{self._next_node}"
-        self._next_node += 1
-        run_dir = self.run_root / node_id
-        run_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            self.python, "-m", "service.cli", "agent",
-            "--etcd", self.etcd_endpoint,
-            "--etcd-root", self.etcd_root,
-            "--node-id", node_id,
-            "--run-dir", str(run_dir),
-            "--lease-ttl", str(self.lease_ttl_s),
-            "--metrics-port", "0",
-            "--slots", str(self.slots),
-        ]
-        self._agents[node_id] = self._spawn(node_id, argv, run_dir=run_dir)
-        return node_id
+        with self._lock:
+            node_id = f"node-{self._next_node}"
+            self._next_node += 1
+            run_dir = self.run_root / node_id
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._agents[node_id] = self._spawn(
+                node_id, self._agent_argv(node_id, run_dir), run_dir=run_dir)
+            return node_id
 
     def _wait(
         self,
@@ -485,17 +644,11 @@ class LocalCluster:
     def _wait_for_url(self, deadline: float, cancel: threading.Event | None) -> str:
         coordinator = self._coordinator
         assert coordinator is not None
-        found: list[str] = []
-
-        def serving() -> bool:
-            match = _SERVING_RE.search(coordinator.new_output())
-            if match:
-                found.append(match.group(1))
-            return match is not None
-
-        self._wait("the coordinator to serve", serving, deadline=deadline, cancel=cancel,
-                   watch=[coordinator])
-        return found[0]
+        self._wait("the coordinator to serve", coordinator.read_ready, deadline=deadline,
+                   cancel=cancel, watch=[coordinator])
+        assert coordinator.url is not None
+        self._coordinator_port = _port_of(coordinator.url)
+        return coordinator.url
 
     def _wait_ready(
         self, node_ids: list[str], deadline: float, cancel: threading.Event | None
@@ -513,21 +666,20 @@ class LocalCluster:
                        watch=watch)
 
             def registered() -> bool:
-                for agent in agents:
-                    if agent.metrics_port is None:
-                        match = _METRICS_RE.search(agent.new_output())
-                        agent.metrics_port = int(match.group(1)) if match else None
+                if not all([agent.read_ready() for agent in agents]):
+                    return False
                 response = http.get("/v1/nodes")
                 response.raise_for_status()
                 listed = {node["node_id"] for node in response.json()}
-                return set(node_ids) <= listed and all(a.metrics_port for a in agents)
+                return set(node_ids) <= listed
 
             self._wait(f"node(s) {', '.join(node_ids)} to register", registered,
                        deadline=deadline, cancel=cancel, watch=watch)
 
     def _write_cluster_file(self) -> None:
-        _write_atomically(self.cluster_file, json.dumps(self.describe(), indent=2) + "\n")
-        self._wrote_cluster_file = True
+        with self._lock:
+            _write_atomically(self.cluster_file, json.dumps(self.describe(), indent=2) + "\n")
+            self._wrote_cluster_file = True
 
     # changing it ----------------------------------------------------------------------
 
@@ -559,7 +711,7 @@ class LocalCluster:
         return node_id
 
     def kill_agent(self, node_id: str) -> None:
-        """SIGKILL the agent's process group, as a machine dying would.
+        """SIGKILL the agent's process group, as a machine dying would; it is not restarted.
 
         Its job runners die with it and their workers with them (parent-death
         signal); the node's lease expires after ``lease_ttl_s``.
@@ -567,10 +719,11 @@ class LocalCluster:
         Raises:
             ClusterError: no such agent runs.
         """
-        child = self._agents.pop(node_id, None)
-        if child is None:
-            self._agent(node_id)  # raises, naming what runs
-            return
+        with self._lock:
+            child = self._agents.pop(node_id, None)
+            if child is None:
+                self._agent(node_id)  # raises, naming what runs
+                return
         _signal_group(child.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.process.wait(timeout=10)
@@ -581,27 +734,97 @@ class LocalCluster:
     def check(self) -> list[ChildExit]:
         """Children that exited since the last call.
 
-        An exited agent is dropped from the cluster (its process group is
-        SIGKILLed in case anything of it lingers) and from ``cluster.json``.
+        With ``supervise`` (the default) a dead coordinator or agent is started
+        again by the supervisor thread and its exit is reported here as not
+        essential; without it, an exited agent is dropped (a lost node) and an
+        exited coordinator is essential. etcd's exit is always essential.
         """
-        exits: list[ChildExit] = []
-        for node_id, child in list(self._agents.items()):
-            code = child.process.poll()
-            if code is not None:
-                del self._agents[node_id]
-                _signal_group(child.pid, signal.SIGKILL)
-                exits.append(ChildExit(node_id, child.pid, code, False, child.tail()))
-        if exits and self._wrote_cluster_file and not self._stopped:
-            self._write_cluster_file()
-        coordinator = self._coordinator
-        if coordinator is not None and coordinator.process.poll() is not None:
-            exits.append(ChildExit("coordinator", coordinator.pid,
-                                   coordinator.process.returncode, True, coordinator.tail()))
+        if not self.supervise and not self._stopped:
+            with self._lock:
+                self._collect_exits(time.monotonic(), restart=False)
+        with self._lock:
+            exits, self._exits = self._exits, []
         if self._etcd is not None and self._etcd.pid is not None and not self._etcd.running():
             assert self._etcd.process is not None
             exits.append(ChildExit("etcd", self._etcd.pid, self._etcd.process.returncode, True,
                                    self._etcd.log_tail()))
         return exits
+
+    # supervising ----------------------------------------------------------------------
+
+    def _supervise_loop(self) -> None:
+        while not self._stopping.wait(SUPERVISE_INTERVAL_S):
+            try:
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self._supervise_once(time.monotonic())
+            except Exception:  # never let the supervisor die quietly
+                log.exception("supervising the cluster's children failed; trying again")
+
+    def _supervise_once(self, now: float) -> None:
+        """One pass: note deaths, start due restarts, note restarted children that are ready."""
+        self._collect_exits(now, restart=True)
+        changed = False
+        for child in self._children():
+            if child.restart_at is not None and now >= child.restart_at:
+                self._restart(child)
+            elif child.restart_at is None and child.restarts and child.process.poll() is None \
+                    and not child.url and not child.metrics_port and child.read_ready():
+                changed = True
+                if child is self._coordinator and child.url is not None:
+                    self._url = child.url  # a new port if the old one could not be had
+                    self._coordinator_port = _port_of(child.url)
+                log.warning("%s is back (pid %d, restart %d)%s", child.name, child.pid,
+                            child.restarts, f", serving at {child.url}" if child.url else "")
+        if changed and self._wrote_cluster_file:
+            self._write_cluster_file()
+
+    def _children(self) -> list[_Child]:
+        children = list(self._agents.values())
+        if self._coordinator is not None:
+            children.insert(0, self._coordinator)
+        return children
+
+    def _collect_exits(self, now: float, *, restart: bool) -> None:
+        for child in self._children():
+            if child.restart_at is not None:
+                continue  # dead already, waiting for its restart
+            code = child.process.poll()
+            if code is None:
+                continue
+            _signal_group(child.pid, signal.SIGKILL)  # whatever is left of its group
+            essential = child is self._coordinator and not restart
+            self._exits.append(ChildExit(child.name, child.pid, code, essential, child.tail()))
+            if not restart:
+                if child is not self._coordinator:
+                    del self._agents[child.name]
+                    if self._wrote_cluster_file:
+                        self._write_cluster_file()
+                continue
+            delay, child.quick_deaths = self.restart_policy.next_delay(
+                quick_deaths=child.quick_deaths, ran_s=now - child.started_at)
+            child.restart_at = now + delay
+            log.warning("%s (pid %d) exited with code %s; starting it again in %.1f s",
+                        child.name, child.pid, code, delay)
+
+    def _restart(self, old: _Child) -> None:
+        """Start ``old`` again: same name, port and node id; a fresh log offset."""
+        # A child that died before it was ready (its port taken, say) gets a free port.
+        if old is self._coordinator:
+            port = self._coordinator_port if old.url else 0
+            argv = self._coordinator_argv(port)
+        else:
+            assert old.run_dir is not None
+            argv = self._agent_argv(old.name, old.run_dir, old.metrics_port or 0)
+        new = self._spawn(old.name, argv, run_dir=old.run_dir)
+        new.quick_deaths = old.quick_deaths
+        new.restarts = old.restarts + 1
+        if old is self._coordinator:
+            self._coordinator = new
+        else:
+            self._agents[old.name] = new
+        log.warning("started %s again (pid %d, restart %d)", new.name, new.pid, new.restarts)
 
     # stopping -------------------------------------------------------------------------
 
@@ -613,9 +836,13 @@ class LocalCluster:
         """
         if self._stopped:
             return
-        self._stopped = True
-        agents = list(self._agents.values())
-        self._agents.clear()
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=30)
+        with self._lock:
+            self._stopped = True
+            agents = list(self._agents.values())
+            self._agents.clear()
         for child in agents:
             _signal_group(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
@@ -725,7 +952,9 @@ def up_command(
             log_path=cluster.logs_dir / "prometheus.log",
             ready_timeout_s=ready_timeout_s,
         ) if with_prometheus else None
-    except (ValueError, PrometheusError) as exc:
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
+    except PrometheusError as exc:
         raise click.ClickException(str(exc)) from exc
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
     stop = threading.Event()
@@ -764,11 +993,20 @@ def up_command(
 
 
 def _report_exits(exits: list[ChildExit]) -> str | None:
-    """Say which children died; return an error message if the cluster cannot go on."""
+    """Say which children died; return an error message if the cluster cannot go on.
+
+    A coordinator or agent that died is started again by the cluster's
+    supervisor, which logs it; only etcd's death ends ``tidal up``.
+    """
     for ex in exits:
         if ex.essential:
             return (f"the {ex.name} (pid {ex.pid}) exited with code {ex.returncode}; "
                     f"stopping everything\n{ex.log_tail}")
-        click.echo(f"agent {ex.name} (pid {ex.pid}) exited with code {ex.returncode}: "
-                   "a lost node; its jobs go on without it", err=True)
     return None
+
+
+def _port_of(url: str) -> int:
+    match = _URL_PORT_RE.search(url.rstrip("/"))
+    if match is None:
+        raise ClusterError(f"the coordinator's URL {url!r} has no port")
+    return int(match.group(1))

@@ -6,7 +6,7 @@
 #   tidal-coordinator  readwrite P/jobs/ P/assignments/ P/drains/ P/events/ P/election/
 #                      read      P/nodes/ P/status/
 #   tidal-agent        readwrite P/nodes/ P/status/ P/rdzv/
-#                      read      P/assignments/
+#                      read      P/assignments/ P/jobs/
 #   root               everything (etcd requires it before `auth enable`); for
 #                      operators and this script only, never for a tidal process
 #
@@ -14,6 +14,11 @@
 # there as a pickle, which every agent of a job unpickles (code execution for
 # whoever can write it). The coordinator cannot even read it. See
 # docs/deploy.md ("etcd users and roles") for why agents share one user.
+# An agent reads P/jobs/ to run only assignments of jobs that exist.
+#
+# The roles have one home, rendezvous/etcd_auth.py (ROLES), which `tidal up`
+# applies to its own etcd; the grant lines below must match it
+# (tests/unit/rendezvous/test_etcd_auth.py reads them and compares).
 #
 # Safe to run again: existing users get their password reset from the files,
 # existing roles get the permissions granted again. It does not revoke
@@ -115,7 +120,7 @@ ctl user grant-role tidal-coordinator tidal-coordinator >/dev/null
 
 ensure_role tidal-agent
 grant tidal-agent readwrite nodes status rdzv
-grant tidal-agent read assignments
+grant tidal-agent read assignments jobs
 ensure_user tidal-agent "$TIDAL_AGENT_PASSWORD_FILE" TIDAL_AGENT_PASSWORD_FILE
 ctl user grant-role tidal-agent tidal-agent >/dev/null
 
