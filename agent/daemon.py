@@ -261,9 +261,11 @@ class Agent:
             job_id = assignment.job_id
             runner = self.state.runners.get(job_id)
             done = self.state.finished.get(job_id)
-            if (runner is not None and runner.assignment.generation == assignment.generation) or (
-                done is not None and done[0] == assignment.generation
-            ):
+            started = {r.assignment.generation
+                       for r in (runner, self.state.exited.get(job_id)) if r is not None}
+            if done is not None:
+                started.add(done[0])
+            if assignment.generation in started:
                 desired[job_id] = assignment  # admitted when it started
             elif self._gate.admitted(key, kv, assignment):
                 desired[job_id] = assignment
