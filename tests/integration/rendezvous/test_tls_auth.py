@@ -15,9 +15,11 @@ Against real etcd servers started here, with certificates made here:
   again (etcd outdates every token when users or roles change), and through
   another member when the one it tried first is down; ``tidal rdzv-clean``
   takes TLS and the user from ``TIDAL_ETCD_*`` and needs the agent's user;
-* a real ``tidal coordinator`` (flags) and ``tidal agent`` (``TIDAL_ETCD_*``
-  environment) with TLS and those users work together: the node shows in
-  ``GET /v1/nodes`` and a job runs on it to ``SUCCEEDED``, rendezvous included.
+* a real ``tidal coordinator`` (flags, its password from
+  ``--etcd-password-file``) and ``tidal agent`` (``TIDAL_ETCD_*`` environment)
+  with TLS and those users work together: the node shows in ``GET /v1/nodes``
+  and a job runs on it to ``SUCCEEDED``, rendezvous included. This is the
+  several-machines shape of docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -496,7 +498,7 @@ def _all_keys(client: EtcdClient, node: str, job: str) -> dict[str, str]:
     }
 
 
-def test_agent_user_writes_node_status_and_rendezvous_keys_only(
+def test_agent_user_writes_node_status_and_rendezvous_keys_only_and_reads_jobs(
     auth_etcd: AuthEtcd, pki: Certs
 ) -> None:
     with auth_etcd.client("tidal-agent", pki.agent) as agent:
@@ -509,8 +511,9 @@ def test_agent_user_writes_node_status_and_rendezvous_keys_only(
         "job": False, "assignment": False, "drain": False, "event": False, "election": False,
         "outside": False,
     }
-    # It follows its assignments; the job records and drains are none of its business.
-    assert read == {keys["assignment"]: True, keys["job"]: False, keys["drain"]: False}
+    # It follows its assignments and runs one only if its job exists; drains are
+    # none of its business.
+    assert read == {keys["assignment"]: True, keys["job"]: True, keys["drain"]: False}
 
 
 def test_agent_refused_a_job_write_gets_an_error_naming_the_key(
@@ -668,9 +671,12 @@ def test_coordinator_and_agent_with_tls_and_their_users_run_a_job(
     run_setup_auth(f"https://{endpoint}", auth_etcd.passwords, pki.admin, pki.ca, root=root)
     coordinator = CoordinatorProcess(
         etcd_endpoint=endpoint, etcd_root=root, workdir=tmp_path, procs=procs,
+        # The password from a file (as `tidal up` gives it); the agent's below from
+        # the environment: both ways a machine of a real deployment may use.
         extra=("--etcd-ca-cert", str(pki.ca), "--etcd-cert", str(pki.coordinator.cert),
-               "--etcd-key", str(pki.coordinator.key), "--etcd-user", "tidal-coordinator"),
-        env=dict(os.environ, TIDAL_ETCD_PASSWORD=auth_etcd.passwords.of("tidal-coordinator")),
+               "--etcd-key", str(pki.coordinator.key), "--etcd-user", "tidal-coordinator",
+               "--etcd-password-file", str(auth_etcd.passwords.coordinator)),
+        env={k: v for k, v in os.environ.items() if k != "TIDAL_ETCD_PASSWORD"},
     )
     agents = AgentCluster(etcd_endpoint=endpoint, etcd_root=root, workdir=tmp_path, procs=procs)
     try:
