@@ -420,9 +420,10 @@ class ElasticBatchSampler:
                     f"state[{name!r}] ({saved}) is not this sampler's {name} "
                     f"({getattr(self, name)}): the state is of another sample stream"
                 )
-        if self.end_step is not None and step > self.end_step:
-            raise BatchPlanError(f"state['step'] ({step}) is past end_step ({self.end_step})")
         micro_batch = self._micro_batch_to_resume(state_dict["within_step"], step)
+        # Mid-way through step end_step is past it too: that step never runs.
+        if self.end_step is not None and (step, micro_batch) > (self.end_step, 0):
+            raise BatchPlanError(f"state['step'] ({step}) is past end_step ({self.end_step})")
         self.start_step, self.start_position = step, position
         self._start_micro_batch = micro_batch
         self._cursor = (step, micro_batch)

@@ -222,6 +222,18 @@ def good_state() -> dict[str, Any]:
         ({"step": True}, r"state\['step'\] \(True\) must be an int"),
         ({"step": "3"}, r"state\['step'\] \('3'\) must be an int"),
         ({"step": END + 1}, r"state\['step'\] \(13\) is past end_step \(12\)"),
+        (
+            {
+                "step": END,
+                "within_step": {
+                    "micro_batch": 1,
+                    "global_batch_size": BATCH,
+                    "world_size": 2,
+                    "accumulation_steps": 2,
+                },
+            },
+            r"state\['step'\] \(12\) is past end_step \(12\)",
+        ),
         ({"position": -12}, r"state\['position'\] \(-12\) must be at least 0"),
         ({"position": 3.0}, r"state\['position'\] \(3.0\) must be an int"),
         ({"format": "torch-sampler"}, r"state\['format'\] \('torch-sampler'\)"),
