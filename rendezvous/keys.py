@@ -111,6 +111,18 @@ class Keys:
     def assignment(self, node_id: str, job_id: str) -> str:
         return self.node_assignments_prefix(node_id) + validate_id(job_id, what="job id")
 
+    def parse_assignment(self, key: str) -> tuple[str, str]:
+        """``(node_id, job_id)`` of an :meth:`assignment` key.
+
+        Raises:
+            InvalidIdentifierError: ``key`` is not one :meth:`assignment` builds.
+        """
+        rest = key.removeprefix(self.assignments_prefix())
+        node_id, sep, job_id = rest.partition("/")
+        if rest == key or not sep:
+            raise InvalidIdentifierError(f"{key!r} is not an assignment key")
+        return validate_id(node_id, what="node id"), validate_id(job_id, what="job id")
+
     # drains (written by the coordinator: the node record belongs to the agent)
     def drains_prefix(self) -> str:
         return f"{self.root}/drains/"

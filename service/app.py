@@ -5,11 +5,15 @@ singleton. Routes that call etcd (a blocking client) are plain ``def``, so
 FastAPI runs them in its thread pool and the event loop never blocks.
 
 Every /v1 route needs ``Authorization: Bearer TOKEN`` (compared in constant
-time); /healthz, /readyz and /metrics are open. Errors are JSON
-``{"error": "...", "detail": [...]}``: 401 no or wrong token, 404 unknown job or
-node, 409 a change the job's phase does not allow, 413 a body over the limit,
-422 invalid input naming the field (values are never echoed: a job's
-environment may hold secrets), 503 etcd unreachable or out of space.
+time), checked before the body is read or parsed; /healthz, /readyz and
+/metrics are open. Every error, whoever raises it (a route, FastAPI's body
+parsing, Starlette's routing), is JSON ``{"error": "...", "detail": [...]}``:
+401 no or wrong token, 404 unknown job, node or route, 405 a method the route
+does not have, 409 a change the job's phase does not allow, 413 a body over
+the limit (chunked or not), 422 invalid input naming the field (a body that is
+not JSON, not UTF-8 or nested too deeply included; values are never echoed: a
+job's environment may hold secrets), 500 a bug, 503 etcd unreachable or out of
+space.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rendezvous.election import Election
@@ -49,6 +54,7 @@ from service.models import (
     ScaleRequest,
     SpecView,
     check_bounds,
+    check_storable,
     new_job_id,
 )
 from service.scheduler import statuses_in_force
@@ -62,17 +68,26 @@ NodeId = Annotated[str, PathParam(pattern=ID_PATTERN, description="A node id.")]
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 503)
 }
+API_PREFIX = "/v1/"
 
 
-class BodyTooLargeError(Exception):
-    pass
+async def _send_error(send: Send, status: int, message: str,
+                      headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with the API's error shape from ASGI middleware (before any route runs)."""
+    body = JSONResponse({"error": message}, status_code=status).body
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
 
-    Checks Content-Length up front and counts the bytes of chunked bodies as
-    they arrive, so a 10 MB body is refused without being held in memory.
+    Checks Content-Length up front; a body without one (chunked) is read here,
+    at most ``limit`` bytes of it, before the app sees any: a 10 MB body is
+    refused without being held in memory, and with 413 (an error raised while
+    FastAPI reads the body would become its 400).
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -92,38 +107,61 @@ class BodyLimit:
                 if too_big:
                     await self._refuse(send)
                     return
+        chunks: list[bytes] = []
         seen = 0
-        started = False
-
-        async def counted_receive() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLargeError
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracking_send)
-        except BodyTooLargeError:
-            if not started:
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
                 await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        body = JSONResponse(
-            {"error": f"request body is larger than {self.limit} bytes"}, status_code=413
-        ).body
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_error(send, 413, f"request body is larger than {self.limit} bytes")
+
+
+class TokenCheck:
+    """ASGI middleware: /v1 requests without the bearer token get 401 before anything else.
+
+    Before the body is read or parsed, so a malformed or oversized body from
+    someone without the token learns nothing. The routes' ``Depends``
+    documents the scheme in the OpenAPI document and checks again.
+    """
+
+    def __init__(self, app: ASGIApp, check: Callable[[str | None], bool]) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith(API_PREFIX):
+            given = None
+            for name, value in scope.get("headers", []):
+                if name == b"authorization":
+                    given = value.decode("latin-1")
+            if not self.check(given):
+                await _send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+UNAUTHORIZED = "missing or wrong bearer token"
 
 
 def _error(status: int, message: str, detail: list[dict[str, Any]] | None = None,
@@ -139,8 +177,13 @@ def _safe_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for err in errors:
         loc = [str(part) for part in err.get("loc", ())]
+        kind = str(err.get("type", ""))
+        if kind == "json_invalid":  # its loc is a character offset, not a field
+            loc, msg = ["body"], "not valid JSON"
+        else:
+            msg = str(err.get("msg", "invalid"))
         out.append({"loc": loc, "field": ".".join(loc[1:]) or ".".join(loc),
-                    "msg": str(err.get("msg", "invalid")), "type": str(err.get("type", ""))})
+                    "msg": msg, "type": kind})
     return out
 
 
@@ -223,6 +266,7 @@ def create_app(
     election: Election | None = None,
     max_body_bytes: int = 1 << 20,
     on_change: Callable[[], None] = lambda: None,
+    reconcile_problem: Callable[[], str | None] = lambda: None,
 ) -> FastAPI:
     """Build the API.
 
@@ -236,6 +280,8 @@ def create_app(
         election: this replica's election, for /readyz (a leader must exist).
         max_body_bytes: request bodies over this are refused with 413.
         on_change: called after a job changed (wakes the local reconcile loop).
+        reconcile_problem: why this replica's reconcile passes are failing, or
+            None (/readyz answers 503 with it).
     """
     app = FastAPI(
         title="tidal coordinator",
@@ -243,15 +289,23 @@ def create_app(
         description="Elastic, fault-tolerant training jobs for PyTorch.",
         responses=ERRORS,
     )
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
     expected = token.encode() if token is not None else None
 
-    def authenticate(authorization: Annotated[str | None, Header()] = None) -> None:
+    def token_ok(authorization: str | None) -> bool:
         if expected is None:
-            return
+            return True
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise ApiError(401, "missing or wrong bearer token")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), expected
+        )
+
+    # The last added runs first: the token, then the body's size.
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(TokenCheck, check=token_ok)
+
+    def authenticate(authorization: Annotated[str | None, Header()] = None) -> None:
+        if not token_ok(authorization):
+            raise ApiError(401, UNAUTHORIZED)
 
     Auth = Depends(authenticate)
 
@@ -267,6 +321,22 @@ def create_app(
         detail = _safe_errors(exc.errors())
         fields = ", ".join(f"{d['field']}: {d['msg']}" for d in detail[:5])
         return _error(422, f"invalid request: {fields}", detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Raised by routing (404, 405) and by FastAPI's body parsing: a 400 for a
+        # body it could not decode (invalid UTF-8, nesting too deep for json).
+        if exc.status_code == 400:
+            return _error(422, "invalid request: body: not valid JSON",
+                          [{"loc": ["body"], "field": "body", "msg": "not valid JSON",
+                            "type": "json_invalid"}])
+        return _error(exc.status_code, str(exc.detail),
+                      headers=dict(exc.headers) if exc.headers else None)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=exc)
+        return _error(500, "internal error; the coordinator's log has the details")
 
     @app.exception_handler(JobNotFoundError)
     async def _not_found(_: Request, exc: JobNotFoundError) -> JSONResponse:
@@ -310,6 +380,10 @@ def create_app(
     @app.post("/v1/jobs", status_code=201, dependencies=[Auth], tags=["jobs"])
     def submit(spec: JobSpec) -> JobView:
         """Submit a job; it starts once its minimum number of nodes is free."""
+        try:
+            check_storable(spec)
+        except ValueError as exc:
+            raise ApiError(422, f"invalid request: {exc}") from exc
         record = JobRecord(
             job_id=new_job_id(spec.name),
             spec=spec,
@@ -460,7 +534,7 @@ def create_app(
 
     @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorBody}})
     def readyz() -> JSONResponse:
-        """etcd answers and a leader is elected."""
+        """etcd answers, a leader is elected, and this replica's reconcile passes succeed."""
         try:
             store.client.status()
             leader = election.leader() if election is not None else None
@@ -468,6 +542,9 @@ def create_app(
             return _error(503, f"etcd is unavailable: {exc}")
         if election is not None and leader is None:
             return _error(503, "no coordinator leads yet")
+        problem = reconcile_problem()
+        if problem is not None:
+            return _error(503, problem)
         return JSONResponse({"status": "ready",
                              "leader": leader.value.decode() if leader is not None else None})
 

@@ -63,6 +63,7 @@ class Coordinator:
             election=self.election,
             max_body_bytes=settings.max_body_bytes,
             on_change=self.reconciler.wake,
+            reconcile_problem=self.reconciler.problem,
         )
         self.server: uvicorn.Server | None = None
         self.url = ""

@@ -98,6 +98,40 @@ class CoordinatorMetrics:
             "counted by the leader.",
             registry=registry,
         )
+        self.reconcile_failures = Counter(
+            "tidal_coordinator_reconcile_failures_total",
+            "Reconcile passes that ended in an error (etcd unavailable, a crash); the "
+            "loop retries.",
+            registry=registry,
+        )
+        self.reconcile_consecutive_failures = Gauge(
+            "tidal_coordinator_reconcile_consecutive_failures",
+            "Reconcile passes that failed since the last one that completed; /readyz "
+            "answers 503 from service.reconciler.UNREADY_AFTER_FAILED_PASSES on.",
+            registry=registry,
+        )
+        self.reconcile_last_success = Gauge(
+            "tidal_coordinator_reconcile_last_success_timestamp_seconds",
+            "Unix time the last reconcile pass completed (0: none yet on this replica).",
+            registry=registry,
+        )
+        self.job_write_failures = Counter(
+            "tidal_coordinator_job_write_failures_total",
+            "Job changes etcd refused (e.g. a request over its size limit); the pass went "
+            "on with the other jobs.",
+            registry=registry,
+        )
+        self.jobs_abandoned = Counter(
+            "tidal_coordinator_jobs_abandoned_total",
+            "Jobs failed because etcd kept refusing their writes (reason write_failed).",
+            registry=registry,
+        )
+        self.strays_deleted = Counter(
+            "tidal_coordinator_stray_assignments_deleted_total",
+            "Assignments the coordinator did not write (no such job, invalid, put by "
+            "hand) that it deleted.",
+            registry=registry,
+        )
         for action in ("assign", "release"):
             self.decisions.labels(action=action)
         self._lock = threading.Lock()

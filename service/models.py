@@ -1,8 +1,11 @@
 """The coordinator's data: what a user submits, what etcd holds, what the API answers.
 
 * :class:`JobSpec` is what ``POST /v1/jobs`` accepts. Every field has limits
-  (counts, lengths, charset of names), so any input is either valid or a 422
-  naming the field; it can never become a 500.
+  (counts, lengths, charset of names) and a strict type (``"2"`` or ``true`` is
+  not a number), so any input is either valid or a 422 naming the field; it can
+  never become a 500. :func:`check_storable` bounds the spec's total size at
+  submit, so that its record and each of its assignments always fit one etcd
+  request (see :data:`MAX_SPEC_BYTES`).
 * :class:`JobRecord` is what ``jobs/<id>`` holds in etcd: the spec (with the
   user's later min/max changes), the desired state, the phase and its
   conditions. Only the coordinator writes it, JSON validated by pydantic.
@@ -44,6 +47,18 @@ from rendezvous.records import (
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,39}$"
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 MAX_NODES = 10_000
+# Total sizes a submitted spec may reach. etcd refuses a request over 1.5 MiB
+# (--max-request-bytes); the reconciler writes a job's record and each of its
+# assignments (each carrying the command and environment) in transactions of
+# at most service.store.MAX_TXN_BYTES (1 MiB), so one record or assignment must
+# stay well under that, with room for the record's node map (up to
+# MAX_NODES entries) and the resize policy's variables.
+#: The environment's names and values together, in UTF-8 bytes.
+MAX_ENV_BYTES = 128 * 1024
+#: The command's arguments together, in UTF-8 bytes.
+MAX_COMMAND_BYTES = 128 * 1024
+#: The whole spec as JSON, in bytes.
+MAX_SPEC_BYTES = 256 * 1024
 #: Environment variable names reserved for what tidal itself tells the workers.
 RESERVED_ENV_PREFIXES = ("TIDAL_", "TORCHELASTIC_")
 RESERVED_ENV = frozenset(
@@ -102,6 +117,8 @@ class ExitReason(str, Enum):
     SUCCEEDED = "succeeded"
     WORKER_FAILED = "worker_failed"  # a worker failed and the restart budget was spent
     CANCELLED = "cancelled"
+    # etcd kept refusing the job's writes (e.g. a request over its size limit)
+    UNSCHEDULABLE = "unschedulable"
 
 
 class EventReason(str, Enum):
@@ -118,6 +135,12 @@ class EventReason(str, Enum):
     WORKER_FAILED = "worker_failed"
     SUCCEEDED = "succeeded"
     CANCELLED = "cancelled"
+    WRITE_FAILED = "write_failed"  # etcd refused the job's change; see ExitReason.UNSCHEDULABLE
+    TRAINING_STARTED = "training_started"  # a worker of the current generation reported a step
+    WAITING_FOR_FIRST_STEP = "waiting_for_first_step"
+
+
+ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]
 
 
 class ResizePolicy(BaseModel):
@@ -127,7 +150,7 @@ class ResizePolicy(BaseModel):
     ``TIDAL_RESIZE_POLICY``), where the checkpoints library applies it.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     global_batch_size: int | None = Field(
         default=None, ge=1, le=1 << 24,
@@ -147,9 +170,13 @@ class ResizePolicy(BaseModel):
 
 
 class JobSpec(BaseModel):
-    """A training job as a user submits it."""
+    """A training job as a user submits it.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: a number given as a string (``"2"``) or a boolean is refused, not
+    coerced.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Name = Field(description="A readable name; the job id is the name plus a suffix.")
     command: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ARG_LEN)]] = Field(
@@ -207,6 +234,35 @@ def is_reserved_env(name: str) -> bool:
     return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
 
 
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_storable(spec: JobSpec) -> None:
+    """Refuse a spec too large to be stored and scheduled (see :data:`MAX_SPEC_BYTES`).
+
+    Raises:
+        ValueError: naming the field, its size and the limit (never a value:
+            the environment may hold secrets).
+    """
+    env = sum(_utf8_len(name) + _utf8_len(value) for name, value in spec.env.items())
+    if env > MAX_ENV_BYTES:
+        raise ValueError(
+            f"env: the variables total {env} bytes; at most {MAX_ENV_BYTES} are allowed"
+        )
+    command = sum(_utf8_len(arg) for arg in spec.command)
+    if command > MAX_COMMAND_BYTES:
+        raise ValueError(
+            f"command: the arguments total {command} bytes; "
+            f"at most {MAX_COMMAND_BYTES} are allowed"
+        )
+    size = len(spec.model_dump_json())
+    if size > MAX_SPEC_BYTES:
+        raise ValueError(
+            f"spec: the job spec is {size} bytes as JSON; at most {MAX_SPEC_BYTES} are allowed"
+        )
+
+
 def check_bounds(min_nodes: int, max_nodes: int) -> None:
     if min_nodes > max_nodes:
         raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
@@ -234,9 +290,16 @@ def new_job_id(name: str) -> str:
 
 
 class Condition(BaseModel):
-    """One observation about a job, in the style of Kubernetes' conditions."""
+    """One observation about a job, in the style of Kubernetes' conditions.
 
-    type: Literal["Scheduled", "Running", "Finished"]
+    ``Scheduled``: the job holds its minimum of nodes. ``Running``: every node
+    runs at the job's current size. ``Training``: a worker of the current
+    generation reported a step (``Running`` turns true when the workers are up,
+    ``Training`` once they made progress: after the import, the rendezvous and
+    the checkpoint restore). ``Finished``: the job ended.
+    """
+
+    type: ConditionType
     status: bool
     reason: str
     message: str = ""
@@ -279,7 +342,7 @@ class JobRecord(BaseModel):
         )
 
     def set_condition(
-        self, type_: Literal["Scheduled", "Running", "Finished"], status: bool, reason: str,
+        self, type_: ConditionType, status: bool, reason: str,
         message: str = "", *, now: datetime | None = None,
     ) -> None:
         """Set a condition, keeping its transition time when its status is unchanged.
@@ -385,7 +448,7 @@ class JobList(BaseModel):
 class ScaleRequest(BaseModel):
     """``PATCH /v1/jobs/{id}``: new bounds; either may be left out."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     min_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     max_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)

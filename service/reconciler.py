@@ -10,6 +10,22 @@ job's change in one transaction that etcd applies only if
   write in between (a cancel, a new bound) is never overwritten; the next
   pass sees it.
 
+A change too big for one etcd transaction (over 100 operations or 1 MiB: a job
+of 300 nodes, large assignments) is written in several, each under the same
+two guards; the order of the writes (:meth:`JobStore.job_ops`) and the
+scheduler's generations make a pass cut half-way converge on the next one.
+
+One job's change that etcd refuses (a request too large, too many operations)
+never stops the pass: it is counted, noted on the job (an event and its
+``Scheduled`` condition), and the pass goes on with the other jobs; after
+:data:`MAX_JOB_WRITE_FAILURES` passes in a row the job ends ``FAILED``
+(:func:`service.scheduler.abandon`). A pass that fails as a whole (etcd
+unavailable, a crash) is counted; after :data:`UNREADY_AFTER_FAILED_PASSES` in a
+row, :meth:`Reconciler.problem` says so and ``/readyz`` answers 503.
+
+Assignments the coordinator did not write (a job that does not exist, an
+invalid record: :class:`service.store.StrayAssignment`) are deleted.
+
 Watches on jobs, nodes, drains, assignments and statuses wake the loop at once
 (debounced by ``batch_s``, at most one pass per ``min_pass_interval_s``); a
 periodic pass every ``interval_s`` covers the rest. The loop is
@@ -23,15 +39,34 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from rendezvous.client import Compare, WatchEvent
+from rendezvous.client import Compare, Delete, Put, WatchEvent
 from rendezvous.election import Election, NotLeaderError
-from rendezvous.errors import EtcdError
+from rendezvous.errors import (
+    EtcdAuthError,
+    EtcdError,
+    EtcdNoSpaceError,
+    EtcdUnavailableError,
+    LeaseExpiredError,
+)
 from rendezvous.watch import PrefixWatcher
 from service.metrics import CoordinatorMetrics
-from service.scheduler import JobChange, plan
-from service.store import JobStore, Snapshot
+from service.scheduler import JobChange, abandon, note_write_failure, plan
+from service.store import JobStore, Snapshot, split_ops
 
 log = logging.getLogger(__name__)
+
+#: Passes in a row in which etcd refused one job's change before the job is failed.
+MAX_JOB_WRITE_FAILURES = 3
+#: Failed passes in a row after which /readyz answers 503.
+UNREADY_AFTER_FAILED_PASSES = 3
+# Errors about etcd or this replica, not about one job's write: they end the pass.
+_PASS_ERRORS: tuple[type[Exception], ...] = (
+    NotLeaderError, EtcdUnavailableError, EtcdAuthError, EtcdNoSpaceError, LeaseExpiredError,
+)
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Reconciler:
@@ -68,6 +103,11 @@ class Reconciler:
         self._watchers: list[PrefixWatcher] = []
         self.last_snapshot: Snapshot | None = None
         self.passes = 0
+        self.failed_passes = 0  # in a row
+        self.last_pass_error = ""
+        self.last_success: datetime | None = None
+        # job -> (passes in a row its write failed, the last error)
+        self._job_failures: dict[str, tuple[int, str]] = {}
 
     def start(self) -> Reconciler:
         keys = self.store.keys
@@ -160,39 +200,140 @@ class Reconciler:
                 self._stop.wait(1.0)
                 self._wake.set()
 
+    # health ----------------------------------------------------------------------------
+
+    def _pass_failed(self, exc: Exception) -> None:
+        self.failed_passes += 1
+        self.last_pass_error = _short(exc)
+        self.metrics.reconcile_failures.inc()
+        self.metrics.reconcile_consecutive_failures.set(self.failed_passes)
+
+    def _pass_succeeded(self) -> None:
+        self.failed_passes = 0
+        self.last_success = datetime.now(timezone.utc)
+        self.metrics.reconcile_consecutive_failures.set(0)
+        self.metrics.reconcile_last_success.set(self.last_success.timestamp())
+
+    def problem(self) -> str | None:
+        """Why this replica's reconciling is unhealthy (for /readyz), or None."""
+        if self.failed_passes < UNREADY_AFTER_FAILED_PASSES:
+            return None
+        since = self.last_success.isoformat() if self.last_success else "never on this replica"
+        return (f"the last {self.failed_passes} reconcile passes failed "
+                f"(last success: {since}): {self.last_pass_error}")
+
     def reconcile_once(self) -> int:
         """One pass: snapshot, plan, write. Returns the number of job changes written.
+
+        A job whose write etcd refuses is recorded (:meth:`_job_write_failed`)
+        and the pass goes on with the others.
 
         Raises:
             NotLeaderError: this replica was deposed; nothing more was written.
             EtcdError: etcd failed; the next pass starts over.
         """
+        try:
+            written = self._reconcile()
+        except NotLeaderError:
+            raise
+        except Exception as exc:
+            self._pass_failed(exc)
+            raise
+        self._pass_succeeded()
+        return written
+
+    def _reconcile(self) -> int:
         started = time.perf_counter()
         snap = self.store.snapshot()
         self.last_snapshot = snap
         self.metrics.observe_snapshot(snap)
-        changes = plan(snap.view, datetime.now(timezone.utc))
+        now = datetime.now(timezone.utc)
+        changes = plan(snap.view, now)
+        live = {j for j, r in snap.view.jobs.items() if not r.phase.is_terminal()}
+        self._job_failures = {j: f for j, f in self._job_failures.items() if j in live}
         written = 0
         for change in changes:
-            if self._apply(snap, change):
+            failures, error = self._job_failures.get(change.job_id, (0, ""))
+            give_up = failures >= MAX_JOB_WRITE_FAILURES
+            if give_up:
+                change = abandon(snap.view, change.job_id, error, now)
+            try:
+                done = self._apply(snap, change)
+            except _PASS_ERRORS:
+                raise
+            except Exception as exc:  # etcd refused this job's write, or it could not be built
+                self._job_write_failed(snap, change, exc, now)
+                continue
+            if done:
                 written += 1
+                self._job_failures.pop(change.job_id, None)
+                if give_up:
+                    self.metrics.jobs_abandoned.inc()
+        self._delete_strays(snap)
         self.passes += 1
         self.metrics.reconcile_duration.observe(time.perf_counter() - started)
         if written:
             self._wake.set()  # look again: statuses may already have moved on
         return written
 
+    def _job_write_failed(
+        self, snap: Snapshot, change: JobChange, exc: Exception, now: datetime
+    ) -> None:
+        """Count a refused write; note the first on the job; wake soon to try (or give up)."""
+        job_id = change.job_id
+        failures = self._job_failures.get(job_id, (0, ""))[0] + 1
+        error = _short(exc)
+        self._job_failures[job_id] = (failures, error)
+        self.metrics.job_write_failures.inc()
+        log.warning("job %s: etcd refused its change (%d of %d before it fails): %s",
+                    job_id, failures, MAX_JOB_WRITE_FAILURES, error)
+        if failures == 1:
+            note = note_write_failure(snap.view, job_id, error, failures,
+                                      MAX_JOB_WRITE_FAILURES, now)
+            try:
+                self._apply(snap, note)
+            except _PASS_ERRORS:
+                raise
+            except Exception as note_exc:
+                log.warning("job %s: could not note the failure either: %s", job_id, note_exc)
+        if failures <= MAX_JOB_WRITE_FAILURES:
+            self._wake.set()
+
+    def _delete_strays(self, snap: Snapshot) -> None:
+        """Delete the assignments no job of this coordinator owns (compared on their revision)."""
+        for stray in snap.strays:
+            guard = [Compare(stray.key, "mod", "==", stray.mod_revision)]
+            if self.election.fenced_txn(guard, [Delete(stray.key)]).succeeded:
+                self.metrics.strays_deleted.inc()
+                log.warning("deleted the assignment %s, which the coordinator did not write: %s",
+                            stray.key, stray.why)
+
     def _apply(self, snap: Snapshot, change: JobChange) -> bool:
+        """Write one job's change, in as many fenced transactions as it needs.
+
+        Every transaction compares the job record's mod revision with the one
+        the pass planned from (and, once this change wrote the record, with
+        that write's): a change by the API in between stops the rest, and the
+        next pass decides again from what was written.
+        """
         keys = self.store.keys
         job_key = keys.job(change.job_id)
-        guard = [Compare(job_key, "mod", "==", snap.job_revisions[change.job_id])]
+        revision = snap.job_revisions[change.job_id]
         ops = self.store.job_ops(
             change.record, put=change.put, delete=change.delete, events=change.events
         )
-        result = self.election.fenced_txn(guard, ops)
-        if not result.succeeded:
-            log.info("job %s changed under the pass; the next pass decides again", change.job_id)
-            return False
+        batches = split_ops(ops)
+        for batch in batches:
+            result = self.election.fenced_txn([Compare(job_key, "mod", "==", revision)], batch)
+            if not result.succeeded:
+                log.info("job %s changed under the pass; the next pass decides again",
+                         change.job_id)
+                return False
+            if any(isinstance(op, Put) and op.key == job_key for op in batch):
+                revision = result.revision
+        if len(batches) > 1:
+            log.info("job %s: change of %d operations written in %d transactions",
+                     change.job_id, len(ops), len(batches))
         self.metrics.decisions.labels(action="assign").inc(len(change.put))
         self.metrics.decisions.labels(action="release").inc(len(change.delete))
         for event in change.events:

@@ -22,18 +22,28 @@ The rules, level-triggered (the same view always gives the same plan):
   their maximum; both in order of priority, then submission time (FIFO);
 * a job with fewer usable nodes than its minimum is ``PENDING``; one whose
   membership just changed is ``RESCALING`` until every node reports running
-  at the new size, then ``RUNNING``.
+  at the new size, then ``RUNNING``; its ``Training`` condition turns true
+  when a worker of the current generation reports a step;
+* every assignment gets a generation above any the job's record or its
+  assignments hold, so a pass cut half-way through a split write (see
+  :mod:`service.reconciler`) never hands out one twice.
+
+:func:`abandon` is the decision for a job whose writes etcd keeps refusing:
+it ends ``FAILED`` (its reason names the refusal) and releases its nodes.
+Messages list at most :data:`MAX_NAMES_IN_MESSAGE` nodes, so a job of
+thousands of nodes never makes an event or condition too big to store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
 from rendezvous.registry import NodeInfo
 from service.models import (
+    ConditionType,
     EventReason,
     ExitReason,
     JobEvent,
@@ -110,6 +120,20 @@ def current_statuses(
     return statuses_in_force({n: a.generation for n, a in assigned.items()}, statuses)
 
 
+#: Nodes a message lists by name; the rest are counted ("and 280 more").
+MAX_NAMES_IN_MESSAGE = 16
+#: Longest error text an event or condition quotes.
+MAX_ERROR_TEXT = 1024
+
+
+def names(nodes: Iterable[str]) -> str:
+    """Node ids for a message, sorted, at most :data:`MAX_NAMES_IN_MESSAGE` of them."""
+    ordered = sorted(nodes)
+    shown = ", ".join(ordered[:MAX_NAMES_IN_MESSAGE])
+    rest = len(ordered) - MAX_NAMES_IN_MESSAGE
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
 def _order(record: JobRecord) -> tuple[int, datetime, str]:
     return (-record.spec.priority, record.created_at, record.job_id)
 
@@ -125,6 +149,11 @@ class _Planner:
         # job -> nodes whose assignment this pass deletes because the node left the
         # job; see _fits.
         self.left: dict[str, set[str]] = {}
+        # job -> the first generation no assignment of it holds (see new_assignment)
+        self.generation_floor: dict[str, int] = {
+            job_id: max(a.generation for a in per_node.values()) + 1
+            for job_id, per_node in view.assignments.items() if per_node
+        }
 
     # bookkeeping -------------------------------------------------------------------
 
@@ -160,8 +189,11 @@ class _Planner:
 
     def new_assignment(self, job_id: str) -> Assignment:
         record = self.change(job_id).record
-        generation = record.next_generation
-        record.next_generation += 1
+        # A pass cut half-way wrote some assignments but not the record's
+        # counter: never reuse their generations (an agent would take a changed
+        # assignment for the one it already runs).
+        generation = max(record.next_generation, self.generation_floor.get(job_id, 1))
+        record.next_generation = generation + 1
         return assignment_for(record, generation)
 
     def _adjust(self, node_id: str, delta: int) -> None:
@@ -248,6 +280,7 @@ class _Planner:
         change.record.exit_reason = exit_reason
         change.record.set_condition("Finished", True, reason.value, message, now=self.now)
         change.record.set_condition("Running", False, reason.value, message, now=self.now)
+        change.record.set_condition("Training", False, reason.value, message, now=self.now)
         self.members[job_id] = {}
         change.record.nodes = {}
         self.set_phase(job_id, phase, reason, message)
@@ -279,11 +312,11 @@ class _Planner:
             change.delete.extend(lost + drained)
         if lost:
             self.count_restart(job_id, EventReason.NODE_LOST)
-            self.event(job_id, EventReason.NODE_LOST, f"lost node(s) {', '.join(lost)}", lost)
+            self.event(job_id, EventReason.NODE_LOST, f"lost node(s) {names(lost)}", lost)
         if drained:
             self.count_restart(job_id, EventReason.NODE_DRAINED)
             self.event(job_id, EventReason.NODE_DRAINED,
-                       f"node(s) {', '.join(drained)} drained", drained)
+                       f"node(s) {names(drained)} drained", drained)
 
     def _rebound(self, record: JobRecord) -> None:
         """Apply the user's min/max: release the surplus, restart the rest with new bounds."""
@@ -312,7 +345,7 @@ class _Planner:
             self.event(
                 job_id, EventReason.SCALED_BY_USER,
                 f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes"
-                + (f"; released {', '.join(sorted(released))}" if released else ""),
+                + (f"; released {names(released)}" if released else ""),
                 released,
             )
 
@@ -362,15 +395,13 @@ class _Planner:
         first_start = record.started_at is None and self.change(job_id).record.started_at is None
         if first_start:
             self.change(job_id).record.started_at = self.now
-            self.event(job_id, EventReason.SCHEDULED,
-                       f"scheduled on {', '.join(sorted(kept))}", sorted(kept))
+            self.event(job_id, EventReason.SCHEDULED, f"scheduled on {names(kept)}", sorted(kept))
         else:
             # Growth in the very pass that starts the job (gang, then toward the
             # maximum) is written in the same transaction: nothing restarts.
             if record.started_at is not None:
                 self.count_restart(job_id, EventReason.NODE_JOINED)
-            self.event(job_id, EventReason.NODE_JOINED,
-                       f"node(s) {', '.join(chosen)} joined", chosen)
+            self.event(job_id, EventReason.NODE_JOINED, f"node(s) {names(chosen)} joined", chosen)
 
     def _settle_phase(self, record: JobRecord) -> None:
         job_id = record.job_id
@@ -389,10 +420,12 @@ class _Planner:
                 self.set_phase(job_id, JobPhase.PENDING, EventReason.BELOW_MIN_NODES, message)
             self._condition(job_id, "Scheduled", False, EventReason.BELOW_MIN_NODES, message)
             self._condition(job_id, "Running", False, EventReason.BELOW_MIN_NODES, message)
+            self._condition(job_id, "Training", False, EventReason.BELOW_MIN_NODES, message)
             return
-        nodes = ", ".join(sorted(kept))
+        nodes = names(kept)
         self._condition(job_id, "Scheduled", True, EventReason.SCHEDULED, f"on {nodes}")
         reports = current_statuses(kept, self.view.statuses.get(job_id, {}))
+        self._training(job_id, reports, world=len(kept) * spec.nproc_per_node, changed=changed)
         world = len(kept) * spec.nproc_per_node
         settled = len(reports) == len(kept) and all(
             st.state == JobNodeState.RUNNING and st.world_size == world for st in reports.values()
@@ -413,15 +446,32 @@ class _Planner:
         self._condition(job_id, "Running", False, EventReason.RESTARTED,
                         f"waiting for {len(kept)} node(s) to run at world size {world}")
 
+    def _training(
+        self, job_id: str, reports: dict[str, JobNodeStatus], *, world: int, changed: bool
+    ) -> None:
+        """``Training``: true once a worker of the current generation and size reported a step."""
+        stepped = {
+            node: st.last_step for node, st in reports.items()
+            if st.state == JobNodeState.RUNNING and st.world_size == world
+            and st.last_step is not None
+        }
+        if stepped and not changed:
+            node = max(stepped, key=lambda n: (stepped[n] or 0, n))
+            self._condition(job_id, "Training", True, EventReason.TRAINING_STARTED,
+                            f"step {stepped[node]} reported by {node}")
+        else:
+            self._condition(job_id, "Training", False, EventReason.WAITING_FOR_FIRST_STEP,
+                            "no worker of the current generation has reported a step yet")
+
     def _condition(
-        self, job_id: str, type_: str, status: bool, reason: EventReason, message: str
+        self, job_id: str, type_: ConditionType, status: bool, reason: EventReason, message: str
     ) -> None:
         record = self.changes[job_id].record if job_id in self.changes else self.view.jobs[job_id]
         # Checked before change(): most passes change nothing for most jobs,
         # and change() deep-copies the record.
         if record.condition_differs(type_, status, reason.value):
             self.change(job_id).record.set_condition(
-                type_, status, reason.value, message, now=self.now  # type: ignore[arg-type]
+                type_, status, reason.value, message, now=self.now
             )
 
 
@@ -436,3 +486,62 @@ def plan(view: ClusterView, now: datetime) -> list[JobChange]:
         One :class:`JobChange` per job that needs a write, highest priority first.
     """
     return _Planner(view, now).run()
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_TEXT else text[:MAX_ERROR_TEXT] + "..."
+
+
+def note_write_failure(
+    view: ClusterView, job_id: str, error: str, attempt: int, limit: int, now: datetime
+) -> JobChange:
+    """Record on a job that etcd refused its change: an event and its ``Scheduled`` condition.
+
+    Args:
+        view: the cluster, as for :func:`plan`.
+        job_id: the job; must be in ``view.jobs``.
+        error: etcd's refusal.
+        attempt / limit: how many passes in a row failed, and after how many
+            the job is failed (:func:`abandon`).
+        now: the time stamped on the event.
+    """
+    planner = _Planner(view, now)
+    change = planner.change(job_id)
+    message = (f"etcd refused the job's change ({attempt} of {limit} tries before the job "
+               f"fails): {_clip(error)}")
+    change.record.set_condition("Scheduled", False, EventReason.WRITE_FAILED.value, message,
+                                now=now)
+    planner.event(job_id, EventReason.WRITE_FAILED, message)
+    return change
+
+
+def abandon(view: ClusterView, job_id: str, error: str, now: datetime) -> JobChange:
+    """End a job whose writes etcd keeps refusing: ``FAILED``, its nodes released.
+
+    The change is small whatever the job: the record as the API stored it
+    (which etcd took), no node map, one event, the assignments' deletes. A job
+    that already ended only has its leftover assignments deleted.
+
+    Args:
+        view: the cluster, as for :func:`plan`.
+        job_id: the job; must be in ``view.jobs``.
+        error: why its writes failed (etcd's refusal), quoted in its status.
+        now: the time stamped on the record and the event.
+    """
+    planner = _Planner(view, now)
+    change = planner.change(job_id)
+    change.delete = sorted(view.assignments.get(job_id, {}))
+    record = change.record
+    if record.phase.is_terminal():
+        return change
+    message = f"etcd refused the job's writes; it cannot be scheduled: {_clip(error)}"
+    reason = EventReason.WRITE_FAILED.value
+    planner.members[job_id] = {}
+    record.nodes = {}
+    record.exit_reason = ExitReason.UNSCHEDULABLE
+    off: tuple[ConditionType, ...] = ("Scheduled", "Running", "Training")
+    for type_ in off:
+        record.set_condition(type_, False, reason, message, now=now)
+    record.set_condition("Finished", True, reason, message, now=now)
+    planner.set_phase(job_id, JobPhase.FAILED, EventReason.WRITE_FAILED, message)
+    return change

@@ -7,6 +7,11 @@ appended in the same transaction as the record change they describe.
 
 Parsed records are cached by (key, mod revision): a snapshot of 2,000 jobs
 parses only what changed since the last one.
+
+etcd refuses a request over 1.5 MiB and a transaction of more than 128
+operations. :func:`split_job_ops` cuts a job's change into transactions of at
+most :data:`MAX_TXN_OPS` operations and :data:`MAX_TXN_BYTES` bytes, so a job of
+300 nodes, or one whose assignments are large, is written in several.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from rendezvous.client import Compare, Delete, EtcdClient, Get, KeyValue, Put, TxnOp
+from rendezvous.keys import Keys
 from rendezvous.records import Assignment, JobNodeStatus
 from rendezvous.registry import NodeInfo
 from service.models import JobEvent, JobRecord
@@ -29,6 +35,13 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 MAX_CAS_ATTEMPTS = 20
+#: Operations in one transaction: etcd's default --max-txn-ops is 128; the
+#: leader's fence adds its compares and a Get of its own.
+MAX_TXN_OPS = 100
+#: Bytes of keys and values in one transaction: etcd's default
+#: --max-request-bytes is 1.5 MiB; the rest is room for compares and framing.
+MAX_TXN_BYTES = 1 << 20
+_OP_OVERHEAD = 32  # protobuf framing of one operation, generously
 
 
 class JobNotFoundError(LookupError):
@@ -40,12 +53,58 @@ class ConflictError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class StrayAssignment:
+    """A record under ``assignments/`` that the coordinator did not write (or no longer owns).
+
+    Its key names no valid node and job, its body is not an assignment or
+    names another job, or its job does not exist (an assignment put by hand).
+    """
+
+    key: str
+    mod_revision: int
+    why: str
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """Everything under the coordinator's prefixes at one etcd revision."""
+    """Everything under the coordinator's prefixes at one etcd revision.
+
+    ``view.assignments`` holds only the valid assignments of existing jobs;
+    the rest are in ``strays``.
+    """
 
     revision: int
     view: ClusterView
     job_revisions: dict[str, int]  # job id -> mod revision of its record
+    strays: tuple[StrayAssignment, ...] = ()
+
+
+def _op_size(op: TxnOp) -> int:
+    value = op.value if isinstance(op, Put) else b""
+    return len(op.key.encode()) + len(value) + _OP_OVERHEAD
+
+
+def split_ops(
+    ops: Sequence[TxnOp], *, max_ops: int = MAX_TXN_OPS, max_bytes: int = MAX_TXN_BYTES
+) -> list[list[TxnOp]]:
+    """Cut ``ops`` into consecutive groups of at most ``max_ops`` and about ``max_bytes``.
+
+    Order is kept. An operation bigger than ``max_bytes`` on its own gets a
+    group of its own (etcd may still refuse it: the caller records that).
+    """
+    groups: list[list[TxnOp]] = []
+    current: list[TxnOp] = []
+    size = 0
+    for op in ops:
+        n = _op_size(op)
+        if current and (len(current) >= max_ops or size + n > max_bytes):
+            groups.append(current)
+            current, size = [], 0
+        current.append(op)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
 
 
 class _ParseCache:
@@ -161,7 +220,7 @@ class JobStore:
         return sorted(out, key=lambda e: e.seq)
 
     def _event_put(self, job_id: str, event: JobEvent) -> Put:
-        return Put(self.keys.event(job_id, event.seq), event.model_dump_json().encode())
+        return _event_put(self.keys, job_id, event)
 
     def job_ops(
         self,
@@ -171,15 +230,8 @@ class JobStore:
         delete: Iterable[str],
         events: Iterable[JobEvent],
     ) -> list[TxnOp]:
-        """The operations that write a job's record, assignments and events together."""
-        ops: list[TxnOp] = [Put(self.keys.job(record.job_id), record.model_dump_json().encode())]
-        ops += [Delete(self.keys.assignment(node, record.job_id)) for node in delete]
-        ops += [
-            Put(self.keys.assignment(node, record.job_id), a.model_dump_json().encode())
-            for node, a in put.items()
-        ]
-        ops += [self._event_put(record.job_id, e) for e in events]
-        return ops
+        """The operations that write a job's record, assignments and events; see :func:`job_ops`."""
+        return job_ops(self.keys, record, put=put, delete=delete, events=events)
 
     # per-job observations ----------------------------------------------------------------
 
@@ -233,10 +285,7 @@ class JobStore:
         }
         nodes = {n.node_id: n for n in self._cache.parse(nodes_kv, NodeInfo).values()}
         drains = frozenset(kv.key[len(prefixes[2]):] for kv in drains_kv)
-        assignments: dict[str, dict[str, Assignment]] = {}
-        for key, a in self._cache.parse(assign_kv, Assignment).items():
-            node_id = key[len(prefixes[3]):].split("/", 1)[0]
-            assignments.setdefault(a.job_id, {})[node_id] = a
+        assignments, strays = self._assignments(assign_kv, jobs)
         statuses: dict[str, dict[str, JobNodeStatus]] = {}
         for st in self._cache.parse(status_kv, JobNodeStatus).values():
             statuses.setdefault(st.job_id, {})[st.node_id] = st
@@ -245,7 +294,69 @@ class JobStore:
         view = ClusterView(
             jobs=jobs, nodes=nodes, draining=drains, assignments=assignments, statuses=statuses
         )
-        return Snapshot(result.revision, view, job_revisions)
+        return Snapshot(result.revision, view, job_revisions, strays)
+
+    def _assignments(
+        self, kvs: Sequence[KeyValue], jobs: dict[str, JobRecord]
+    ) -> tuple[dict[str, dict[str, Assignment]], tuple[StrayAssignment, ...]]:
+        """Valid assignments of existing jobs (job -> node -> assignment), and the strays."""
+        parsed = self._cache.parse(kvs, Assignment)
+        assignments: dict[str, dict[str, Assignment]] = {}
+        strays: list[StrayAssignment] = []
+        for kv in kvs:
+            try:
+                node_id, job_id = self.keys.parse_assignment(kv.key)
+            except ValueError:
+                strays.append(StrayAssignment(kv.key, kv.mod_revision, "not an assignment key"))
+                continue
+            a = parsed.get(kv.key)
+            if a is None:
+                why = "not a valid assignment"
+            elif a.job_id != job_id:
+                why = f"names job {a.job_id}, not {job_id}"
+            elif job_id not in jobs:
+                why = f"job {job_id} does not exist"
+            else:
+                assignments.setdefault(job_id, {})[node_id] = a
+                continue
+            strays.append(StrayAssignment(kv.key, kv.mod_revision, why))
+        return assignments, tuple(strays)
+
+
+def _event_put(keys: Keys, job_id: str, event: JobEvent) -> Put:
+    return Put(keys.event(job_id, event.seq), event.model_dump_json().encode())
+
+
+def job_ops(
+    keys: Keys,
+    record: JobRecord,
+    *,
+    put: dict[str, Assignment],
+    delete: Iterable[str],
+    events: Iterable[JobEvent],
+) -> list[TxnOp]:
+    """The operations that write a job's record, assignments and events.
+
+    Cut by :func:`split_ops` when they do not fit one transaction.
+
+    In the order that lets a write cut into several transactions converge
+    on the next pass: a job that ends gets its record first (so a cut never
+    leaves a finished job without assignments but not finished: the
+    scheduler would start it again); the scheduler then deletes the
+    leftovers. Any other change writes assignments first and the record
+    last: a cut leaves assignments the next pass keeps, and a record that
+    does not yet count their generations (the scheduler skips past them).
+    """
+    record_put = Put(keys.job(record.job_id), record.model_dump_json().encode())
+    ops: list[TxnOp] = [Delete(keys.assignment(node, record.job_id)) for node in delete]
+    ops += [
+        Put(keys.assignment(node, record.job_id), a.model_dump_json().encode())
+        for node, a in put.items()
+    ]
+    event_puts: list[TxnOp] = [_event_put(keys, record.job_id, e) for e in events]
+    if record.phase.is_terminal():
+        return [record_put, *event_puts, *ops]
+    return [*ops, *event_puts, record_put]
 
 
 def encode_cursor(job: JobRecord) -> str:

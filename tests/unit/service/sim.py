@@ -175,6 +175,7 @@ class Sim:
         generation: int | None = None,
         error: WorkerError | None = None,
         at: int = 0,
+        last_step: int | None = None,
     ) -> None:
         """``node_id``'s agent reports ``state`` for its assignment of ``job_id``.
 
@@ -188,6 +189,7 @@ class Sim:
         status = JobNodeStatus(
             job_id=job_id, node_id=node_id, generation=generation, state=state,
             world_size=world_size, error=error, updated_at=self.clock + timedelta(seconds=at),
+            last_step=last_step,
         )
         statuses = {job: dict(per_node) for job, per_node in self.view.statuses.items()}
         statuses.setdefault(job_id, {})[node_id] = status
