@@ -1,10 +1,14 @@
 """`tidal up` as a user runs it, and `make demo` end to end.
 
 `tidal up` runs as a real process: it must describe what it started in
-cluster.json, serve an authenticated API with every node registered, refuse a
-second cluster on the same state directory, and on SIGTERM stop everything it
-started and exit 0. The demo (slow) must show the job at world sizes 3, 2, 3, 2
-and leave nothing running.
+cluster.json, serve an authenticated API with every node registered, run its
+etcd with authentication on (a write without credentials is refused, jobs
+still run), bind the agents' metrics to loopback, refuse a second cluster on
+the same state directory, and on SIGTERM stop everything it started and exit
+0. It supervises its children: a coordinator killed with SIGKILL while a job
+trains is replaced on the same URL and the job's step keeps increasing; an
+agent killed with SIGKILL comes back and its node registers again. The demo
+(slow) must show the job at world sizes 3, 2, 3, 2 and leave nothing running.
 """
 
 from __future__ import annotations
@@ -21,15 +25,20 @@ from typing import Any
 import httpx
 import pytest
 
+from rendezvous.client import EtcdConfig, create_client
+from rendezvous.errors import EtcdAuthError
 from tests.support.processes import ProcessGroupRegistry, group_members
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+MLP = REPO / "examples" / "mlp.py"
 CLUSTER_FIELDS = {
-    "url", "token_file", "etcd_endpoint", "etcd_root", "state_dir",
+    "url", "token_file", "etcd_endpoint", "etcd_root", "etcd_password_files", "state_dir",
     "coordinator_pid", "etcd_pid", "agents",
 }
 AGENT_FIELDS = {"node_id", "pid", "run_dir", "metrics_port"}
+ETCD_USERS = {"root", "tidal-coordinator", "tidal-agent"}
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 def _env() -> dict[str, str]:
@@ -65,7 +74,54 @@ def _read_cluster_file(path: Path, up: subprocess.Popen[bytes], log_path: Path) 
     return json.loads(path.read_text()) if path.exists() else None
 
 
-@pytest.mark.timeout(90)
+def _listen_addresses(pid: int, port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) where ``pid`` listens on ``port``."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port_hex = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and int(port_hex, 16) == port and fields[9] in inodes:
+                found.add(address)
+    return found
+
+
+def _start_up(state: Path, log_path: Path, procs: ProcessGroupRegistry, agents: int
+              ) -> tuple[subprocess.Popen[bytes], Any]:
+    up = procs.spawn(
+        [sys.executable, "-m", "service.cli", "up", "--agents", str(agents),
+         "--state-dir", str(state)],
+        log_path=log_path, env=_env(), cwd=REPO,
+    )
+    cluster = wait_for(lambda: _read_cluster_file(state / "cluster.json", up, log_path),
+                       timeout=60, what="cluster.json")
+    return up, cluster
+
+
+def _stop_up(up: subprocess.Popen[bytes], log_path: Path) -> None:
+    up.send_signal(signal.SIGTERM)
+    try:
+        assert up.wait(timeout=45) == 0, _log(log_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tidal up did not exit within 45 s of SIGTERM:\n{_log(log_path)}")
+
+
+def _etcd_config(cluster: Any, user: str | None) -> EtcdConfig:
+    password = (Path(cluster["etcd_password_files"][user]).read_text().strip()
+                if user else None)
+    return EtcdConfig(endpoints=[cluster["etcd_endpoint"]], root=cluster["etcd_root"],
+                      timeout_s=5, user=user, password=password)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(150)
 def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     tmp_path: Path, procs: ProcessGroupRegistry
 ):
@@ -95,6 +151,14 @@ def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = token_file.read_text().strip()
     assert len(token) >= 32
+    # etcd's credentials: one file per user, readable by this user only.
+    password_files = {user: Path(path) for user, path in cluster["etcd_password_files"].items()}
+    assert set(password_files) == ETCD_USERS
+    assert stat.S_IMODE((state / "etcd-auth").stat().st_mode) == 0o700
+    for path in password_files.values():
+        assert path.parent == state.resolve() / "etcd-auth"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert len(path.read_text().strip()) >= 32
 
     url = cluster["url"]
     with httpx.Client(base_url=url, timeout=5) as http:
@@ -107,6 +171,35 @@ def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     for agent in cluster["agents"]:
         metrics = httpx.get(f"http://127.0.0.1:{agent['metrics_port']}/metrics", timeout=5)
         assert metrics.status_code == 200
+        # On loopback only (0100007F is 127.0.0.1 in /proc/net/tcp), not on every interface.
+        assert _listen_addresses(agent["pid"], agent["metrics_port"]) == {"0100007F"}
+
+    # etcd refuses a write without credentials: nobody but the coordinator assigns
+    # work (the issue's `etcdctl put /tidal/assignments/node-2/x ...`).
+    forged = f"{cluster['etcd_root']}/assignments/node-2/x"
+    with create_client(_etcd_config(cluster, None)) as anonymous:
+        with pytest.raises(EtcdAuthError):
+            anonymous.put(forged, b'{"job_id": "x", "command": ["touch", "/tmp/pwned"]}')
+        with pytest.raises(EtcdAuthError):
+            anonymous.get(f"{cluster['etcd_root']}/jobs/x")
+    with create_client(_etcd_config(cluster, "tidal-agent")) as agent_user, \
+            pytest.raises(EtcdAuthError):
+        agent_user.put(forged, b"{}")
+    with create_client(_etcd_config(cluster, "root")) as root:
+        assert root.get(forged) is None
+
+    # ... and jobs still run: scheduled as tidal-coordinator, run as tidal-agent.
+    with httpx.Client(base_url=url, timeout=5,
+                      headers={"Authorization": f"Bearer {token}"}) as api:
+        created = api.post("/v1/jobs", json={"name": "hello", "command": ["true"]})
+        assert created.status_code == 201, created.text
+        job_id = created.json()["job_id"]
+
+        def finished() -> str | None:
+            phase = str(api.get(f"/v1/jobs/{job_id}").json()["phase"])
+            return phase if phase in TERMINAL else None
+
+        assert wait_for(finished, timeout=60, what=f"job {job_id} to finish") == "SUCCEEDED"
 
     # A second cluster on the same state directory is refused, and leaves the first alone.
     second = subprocess.run(
@@ -129,6 +222,93 @@ def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     for pid in pids:
         wait_for(lambda pid=pid: not group_members(pid), timeout=5,
                  what=f"process group {pid} to be empty")
+    assert _processes_mentioning(str(state)) == []
+
+
+@pytest.mark.timeout(300)
+def test_up_restarts_a_killed_coordinator_and_agent_while_a_job_keeps_training(
+    tmp_path: Path, procs: ProcessGroupRegistry
+):
+    state = tmp_path / "state"
+    log_path = tmp_path / "up.log"
+    up, cluster = _start_up(state, log_path, procs, agents=2)
+    url = cluster["url"]
+    token = Path(cluster["token_file"]).read_text().strip()
+    api = httpx.Client(base_url=url, timeout=5, headers={"Authorization": f"Bearer {token}"})
+    try:
+        spec = {
+            "name": "trains-on",
+            "command": [sys.executable, str(MLP), "--total-steps", "1000000",
+                        "--every-steps", "5", "--step-seconds", "0.2"],
+            "working_dir": ".", "checkpoint_dir": "trains-on",
+            "env": {"OMP_NUM_THREADS": "1"},
+            "min_nodes": 1, "max_nodes": 1,
+        }
+        created = api.post("/v1/jobs", json=spec)
+        assert created.status_code == 201, created.text
+        job_id = created.json()["job_id"]
+
+        def job() -> Any:
+            return api.get(f"/v1/jobs/{job_id}").json()
+
+        def step_at_least(n: int) -> Any:
+            view = job()
+            assert view["phase"] not in TERMINAL, view
+            return view if (view["last_step"] or 0) >= n else None
+
+        before = wait_for(lambda: step_at_least(3), timeout=120, what="the job's step 3")
+        (runs_on,) = [n["node_id"] for n in before["nodes"]]
+
+        # SIGKILL the coordinator: tidal up starts another on the same URL.
+        old_coordinator = cluster["coordinator_pid"]
+        os.kill(old_coordinator, signal.SIGKILL)
+
+        def new_coordinator() -> Any:
+            now = _read_cluster_file(state / "cluster.json", up, log_path)
+            if now is None or now["coordinator_pid"] == old_coordinator:
+                return None
+            try:
+                return now if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        after = wait_for(new_coordinator, timeout=60, what="a new coordinator ready at " + url)
+        assert after["url"] == url
+        # The job trained on, from where it was: its step grows past the one seen
+        # before the kill, its workers were never restarted, it never left RUNNING.
+        later = wait_for(lambda: step_at_least(before["last_step"] + 5), timeout=60,
+                         what="the job's step to keep increasing")
+        assert later["restart_count"] == before["restart_count"], later
+        assert later["phase"] == "RUNNING", later
+
+        # SIGKILL the other agent: it comes back and its node registers again,
+        # on a lease of its own (the dead one's expired).
+        idle = next(a for a in after["agents"] if a["node_id"] != runs_on)
+        with create_client(_etcd_config(after, "root")) as root:
+            node_key = root.keys.node(idle["node_id"])
+            old_record = root.get(node_key)
+            assert old_record is not None
+            os.kill(idle["pid"], signal.SIGKILL)
+
+            def back() -> Any:
+                now = _read_cluster_file(state / "cluster.json", up, log_path)
+                entry = next(a for a in now["agents"] if a["node_id"] == idle["node_id"])
+                if entry["pid"] == idle["pid"] or entry["metrics_port"] is None:
+                    return None
+                record = root.get(node_key)
+                return entry if record is not None and record.lease != old_record.lease else None
+
+            entry = wait_for(back, timeout=60, what=f"{idle['node_id']} to come back")
+        assert entry["metrics_port"] == idle["metrics_port"]  # Prometheus's target stays valid
+        nodes = {n["node_id"] for n in api.get("/v1/nodes").json()}
+        assert {runs_on, idle["node_id"]} <= nodes
+        assert (job()["last_step"] or 0) >= later["last_step"]
+        output = _log(log_path)
+        assert f"coordinator (pid {old_coordinator}) exited with code -9" in output
+        assert f"{idle['node_id']} (pid {idle['pid']}) exited with code -9" in output
+    finally:
+        api.close()
+    _stop_up(up, log_path)
     assert _processes_mentioning(str(state)) == []
 
 
