@@ -5,7 +5,8 @@ A restarted worker used to spend most of its start-up importing torch (about
 ``torch._dynamo`` import). The runner therefore starts one *zygote* per job
 before the first rendezvous: ``python -m agent.zygote SOCKET RUNNER_PID``,
 with the job's environment. It imports torch and what every DDP script uses,
-then serves on a Unix socket, and imports the rest (``torch.optim``,
+then serves on an abstract Unix socket (no file, so nothing is left behind
+however it ends; see :func:`new_address`), and imports the rest (``torch.optim``,
 ``torch._dynamo``, ``checkpoints``) whenever no worker is waiting. For each
 worker that torch elastic starts,
 :mod:`agent.worker_shim` (the process torch tracks and signals) connects,
@@ -41,12 +42,12 @@ import json
 import logging
 import os
 import runpy
+import secrets
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from pathlib import Path
@@ -180,8 +181,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any],
 
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     conn.settimeout(5)  # a shim sends its request at once; never hang the zygote
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
+    uid = peer_uid(conn)
     if uid != os.getuid():
         raise ValueError(f"a process of uid {uid} may not start workers here")
     data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
@@ -199,18 +199,45 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         raise
 
 
+def new_address() -> str:
+    """A fresh, unguessable address for a zygote's socket, in Linux's abstract
+    namespace (``@`` stands for its leading NUL byte, which no environment
+    variable can hold). An abstract socket has no file: nothing is left
+    behind however the zygote and its runner end."""
+    return f"@tidal-zygote-{secrets.token_hex(16)}"
+
+
+def _sockaddr(address: str) -> str:
+    """``address`` as ``bind``/``connect`` take it: ``@NAME`` is abstract, else a path."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
 class Zygote:
-    """The serving loop: one thread, a selector on the socket and SIGCHLD."""
+    """The serving loop: one thread, a selector on the socket and SIGCHLD.
+
+    Its socket is abstract (see :func:`new_address`), so the file system does
+    not keep other users out: both ends check the other's user id instead
+    (``SO_PEERCRED``). A shim only talks to a zygote of its own user, and a
+    zygote only forks workers for one.
+    """
 
     def __init__(self, path: str, python: str) -> None:
         self.python = python
         self.children: dict[int, socket.socket] = {}
         self.refusing = False
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        self.server.bind(path)
-        os.chmod(path, 0o600)
+        if not path.startswith("@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.server.bind(_sockaddr(path))
+        if not path.startswith("@"):
+            os.chmod(path, 0o600)
         self.server.listen(64)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -338,8 +365,7 @@ class ZygoteProcess:
     """The runner's handle on its zygote: started at once, ready when it listens."""
 
     def __init__(self, runner_pid: int) -> None:
-        self._dir = tempfile.mkdtemp(prefix="tidal-zygote-")  # mode 0700: ours alone
-        self.path = os.path.join(self._dir, "socket")
+        self.path = new_address()  # abstract: no file to remove, even after a SIGKILL
         self._proc = subprocess.Popen(  # a fixed argv, never a shell
             [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid), TITLE_ROOM],
             stdin=subprocess.DEVNULL,
@@ -366,9 +392,6 @@ class ZygoteProcess:
         self._proc.wait()
         if self._proc.stdout is not None:
             self._proc.stdout.close()
-        import shutil
-
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def spawn_request(command: list[str], env: dict[str, str], cwd: str) -> bytes:
@@ -384,7 +407,10 @@ def run_through(path: str, command: list[str]) -> int | None:
     env = {k: v for k, v in os.environ.items() if k not in (ENV_SOCKET,)}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
+        conn.connect(_sockaddr(path))
+        if peer_uid(conn) != os.getuid():  # someone else's socket under that name
+            conn.close()
+            return None
         socket.send_fds(conn, [spawn_request(command, env, os.getcwd())], [0, 1, 2])
         reader = conn.makefile("rb")
         first = json.loads(reader.readline() or b"{}")

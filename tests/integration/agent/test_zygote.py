@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.zygote import ENV_SOCKET, ZygoteProcess, parse_command
+from agent.zygote import ENV_SOCKET, ZygoteProcess, new_address, parse_command, run_through
 from tests.support.wait import wait_for
 
 SCRIPT = """
@@ -142,3 +144,84 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+# A runner that starts a zygote, says "ready" once it listens, then waits.
+RUNNER = """
+import os, sys, time
+from agent.zygote import ZygoteProcess
+zygote = ZygoteProcess(os.getpid())
+assert zygote.wait_ready(120)
+print(zygote.path, flush=True)
+time.sleep(600)
+"""
+
+
+def _zygote_of(runner: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == runner and b"agent.zygote" in argv:
+            return int(entry.name)
+    return None
+
+
+def test_a_zygote_and_its_runner_killed_leave_no_file_behind(tmp_path: Path) -> None:
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    out = tmp_path / "runner.out"
+    with open(out, "wb") as stdout:
+        runner = subprocess.Popen(
+            [sys.executable, "-c", RUNNER], stdout=stdout, stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(private_tmp)}, start_new_session=True,
+        )
+    try:
+        address = wait_for(  # the zygote's log goes there too
+            lambda: [w for w in out.read_text().split() if w.startswith("@")][-1:],
+            timeout=120, what="the zygote ready")[0]
+        # Abstract: a name, not a path; the socket exists though no file does.
+        assert address.startswith("@tidal-zygote-") and len(address) == len("@tidal-zygote-") + 32
+        assert address in Path("/proc/net/unix").read_text()
+        zygote = _zygote_of(runner.pid)
+        assert zygote is not None
+        os.kill(zygote, signal.SIGKILL)  # the zygote dies first...
+        wait_for(lambda: not _alive(zygote), timeout=10, what="the zygote gone")
+        os.killpg(runner.pid, signal.SIGKILL)  # ...then its runner, which cannot clean up
+        runner.wait(30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait(30)
+    assert list(private_tmp.iterdir()) == []
+    assert address not in Path("/proc/net/unix").read_text()
+
+
+def test_a_shim_does_not_talk_to_a_socket_of_another_user(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root, to listen as another user")
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if system_python is None:
+        pytest.skip("no system python3 that another user may run")
+    address = new_address()
+    # A process of another user (nobody) listens under the name first.
+    squatter = subprocess.Popen(
+        [system_python, "-c",
+         "import socket, sys, time\n"
+         "s = socket.socket(socket.AF_UNIX)\n"
+         f"s.bind('\\0' + {address[1:]!r}); s.listen(1); print('up', flush=True)\n"
+         "c, _ = s.accept(); print('connected', flush=True); time.sleep(60)\n"],
+        user=65534, group=65534, extra_groups=[], stdout=subprocess.PIPE,
+    )
+    try:
+        assert squatter.stdout is not None
+        assert squatter.stdout.readline().strip() == b"up"
+        # The shim connects, sees the peer is not of its user, and sends nothing.
+        assert run_through(address, [sys.executable, "-c", "pass"]) is None
+    finally:
+        squatter.kill()
+        squatter.wait(10)
