@@ -38,6 +38,12 @@ CLUSTER_FIELDS = {
 }
 AGENT_FIELDS = {"node_id", "pid", "run_dir", "metrics_port"}
 ETCD_USERS = {"root", "tidal-coordinator", "tidal-agent"}
+NO_SECRET = """
+import os, sys
+leaked = "TIDAL_ETCD_PASSWORD" in os.environ
+leaked |= b"TIDAL_ETCD_PASSWORD=" in open("/proc/self/environ", "rb").read()
+sys.exit("the etcd password reached the worker" if leaked else 0)
+"""
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -188,10 +194,17 @@ def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     with create_client(_etcd_config(cluster, "root")) as root:
         assert root.get(forged) is None
 
-    # ... and jobs still run: scheduled as tidal-coordinator, run as tidal-agent.
+    # The agents and the coordinator read their password from a file: it is in
+    # none of their environments (nor, so, in their workers').
+    for pid in (cluster["coordinator_pid"], *(a["pid"] for a in cluster["agents"])):
+        assert b"TIDAL_ETCD_PASSWORD" not in Path(f"/proc/{pid}/environ").read_bytes()
+
+    # ... and jobs still run: scheduled as tidal-coordinator, run as tidal-agent;
+    # the job's worker (forked by the runner's zygote) holds no etcd password.
     with httpx.Client(base_url=url, timeout=5,
                       headers={"Authorization": f"Bearer {token}"}) as api:
-        created = api.post("/v1/jobs", json={"name": "hello", "command": ["true"]})
+        created = api.post("/v1/jobs", json={"name": "hello",
+                                             "command": [sys.executable, "-c", NO_SECRET]})
         assert created.status_code == 201, created.text
         job_id = created.json()["job_id"]
 
