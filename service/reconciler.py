@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 #: Passes in a row in which etcd refused one job's change before the job is failed.
 MAX_JOB_WRITE_FAILURES = 3
+#: Stray assignments deleted per pass (a flood of them must not make one pass long).
+MAX_STRAYS_PER_PASS = 500
 #: Failed passes in a row after which /readyz answers 503.
 UNREADY_AFTER_FAILED_PASSES = 3
 # Errors about etcd or this replica, not about one job's write: they end the pass.
@@ -301,9 +303,16 @@ class Reconciler:
 
     def _delete_strays(self, snap: Snapshot) -> None:
         """Delete the assignments no job of this coordinator owns (compared on their revision)."""
-        for stray in snap.strays:
+        for stray in snap.strays[:MAX_STRAYS_PER_PASS]:
             guard = [Compare(stray.key, "mod", "==", stray.mod_revision)]
-            if self.election.fenced_txn(guard, [Delete(stray.key)]).succeeded:
+            try:
+                deleted = self.election.fenced_txn(guard, [Delete(stray.key)]).succeeded
+            except _PASS_ERRORS:
+                raise
+            except EtcdError as exc:
+                log.warning("could not delete the stray assignment %s: %s", stray.key, exc)
+                continue
+            if deleted:
                 self.metrics.strays_deleted.inc()
                 log.warning("deleted the assignment %s, which the coordinator did not write: %s",
                             stray.key, stray.why)
