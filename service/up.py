@@ -936,7 +936,9 @@ def up_command(
     """Run etcd, a coordinator and node agents on this machine until interrupted.
 
     The API token is $TIDAL_TOKEN if set, else a random one; either way it is
-    written to STATE/token. What runs is described in STATE/cluster.json.
+    written to STATE/token. etcd runs with authentication on (its passwords in
+    STATE/etcd-auth/). A coordinator or agent that dies is started again; only
+    etcd's exit stops everything. What runs is described in STATE/cluster.json.
     """
     try:
         cluster = LocalCluster(
