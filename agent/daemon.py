@@ -51,10 +51,12 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from agent.admission import AssignmentGate
+from agent.jobpaths import JobSetupError, check_job_paths
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import (
     EXIT_CRASHED,
+    EXIT_FAILED,
     EXIT_STOPPED,
     OUTCOME_FILE,
     RunnerOutcome,
@@ -364,7 +366,24 @@ class Agent:
         return self.settings.run_dir / "jobs" / assignment.job_id / f"gen-{assignment.generation}"
 
     def _start_runner(self, assignment: Assignment, prior: JobNodeStatus | None = None) -> None:
-        """Start (or hand the warm runner) ``assignment``; a failure to counts as a crash."""
+        """Start (or hand the warm runner) ``assignment``; a failure to start counts as a crash.
+
+        The job's directories are checked first, here: a warm runner would
+        see them only once its torch import is done (seconds on a busy node),
+        and a job that cannot start should fail at once. The runner checks
+        them again where it uses them (agent.jobpaths).
+        """
+        with self._jobs_lock:
+            self._jobs_seen.add(assignment.job_id)
+        try:
+            check_job_paths(assignment.cwd, assignment.checkpoint_dir)
+        except JobSetupError as exc:
+            log.error("job %s cannot start on this node: %s", assignment.job_id, exc)
+            self.state.exited[assignment.job_id] = _Exited(
+                assignment, 0, EXIT_FAILED, stopping=False,
+                outcome=RunnerOutcome(pid=0, message=str(exc)),
+            )
+            return
         try:
             self._launch(assignment, prior)
         except Exception as exc:
@@ -373,8 +392,6 @@ class Agent:
                 assignment, 0, EXIT_CRASHED, stopping=False,
                 outcome=RunnerOutcome(pid=0, message=f"could not start it: {exc}"),
             )
-        with self._jobs_lock:
-            self._jobs_seen.add(assignment.job_id)
 
     def _launch(self, assignment: Assignment, prior: JobNodeStatus | None) -> None:
         job_dir = self._job_dir(assignment)

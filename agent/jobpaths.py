@@ -134,3 +134,15 @@ def ensure_directory(path: str, *, what: str = "checkpoint directory") -> None:
         JobSetupError: a component is a symlink or a file, or cannot be created.
     """
     os.close(open_directory(path, what=what, create=True))
+
+
+def check_job_paths(cwd: str | None, checkpoint_dir: str | None) -> None:
+    """Both of a job's directories as the runner will use them (the daemon's early check).
+
+    Raises:
+        JobSetupError: see :func:`open_directory`.
+    """
+    if cwd:
+        os.close(open_directory(cwd, what="working directory"))
+    if checkpoint_dir:
+        ensure_directory(checkpoint_dir, what="checkpoint directory")

@@ -73,12 +73,17 @@ def describe_exit(pid: int, code: int) -> str:
 def runner_error(
     *, pid: int, code: int, outcome: RunnerOutcome | None, log_tail: str
 ) -> WorkerError:
-    """The root cause of a runner's death, for the job's status."""
-    message = describe_exit(pid, code)
-    if outcome is not None:
-        message += f": {outcome.message}"
+    """The root cause of a runner's end, for the job's status.
+
+    A job that cannot start here (exit code 1 with an outcome: a missing
+    working directory) has the reason alone as its message.
+    """
+    if outcome is not None and code == EXIT_FAILED:
+        message = outcome.message
+    elif outcome is not None:
+        message = f"{describe_exit(pid, code)}: {outcome.message}"
     else:
-        message += " without reporting how its job ended"
+        message = f"{describe_exit(pid, code)} without reporting how its job ended"
     return WorkerError(
         rank=RUNNER_RANK,
         exit_code=code,

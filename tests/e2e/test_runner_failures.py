@@ -1,0 +1,205 @@
+"""A runner that cannot start or dies: the job recovers or FAILS with the cause, in seconds.
+
+Real etcd, a real coordinator, real agents and the real CLI:
+
+* ``tidal submit --workdir exprs/run1`` where the directory is missing: the job
+  ends FAILED with "working directory ... does not exist" and the CLI exits 1;
+* a working directory that is a file: FAILED, "is not a directory";
+* a symlink out of the root made after submit: FAILED, nothing ran there;
+* ``kill -9`` of the runner: it is restarted (charged to the budget) and
+  training goes on; once the budget is spent, the job FAILS naming SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rendezvous.client import EtcdClient
+from rendezvous.etcd_server import EtcdServer
+from tests.support.agents import AgentCluster, processes_of_node, statuses
+from tests.support.coordinator import TOKEN, CoordinatorProcess
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+
+# From assignment to FAILED: an agent pass (0.5 s), a runner's start without
+# torch (the check comes before it), the coordinator's next pass. Generous
+# for a loaded 2-core machine; it takes about 2 s unloaded.
+FAIL_FAST_S = 20.0
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    coordinator = CoordinatorProcess(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    ).start()
+    agents = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    try:
+        yield coordinator, agents
+    except BaseException:
+        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
+        raise
+
+
+def _view(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    response = api.get(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _failed(api: httpx.Client, job_id: str) -> dict[str, Any] | None:
+    view = _view(api, job_id)
+    return view if view["phase"] == "FAILED" else None
+
+
+def _submit(api: httpx.Client, **spec: Any) -> str:
+    body = {"name": "j", "min_nodes": 1, "max_nodes": 1, **spec}
+    response = api.post("/v1/jobs", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["job_id"])
+
+
+def _wait_ready(api: httpx.Client, node: str) -> None:
+    wait_for(lambda: node in {n["node_id"] for n in api.get("/v1/nodes").json()},
+             timeout=60, what=f"node {node} registered")
+
+
+@pytest.mark.timeout(180)
+def test_a_missing_working_directory_fails_the_job_and_submit_exits_1(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], procs: ProcessGroupRegistry
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    agents.start_agent("a")
+    _wait_ready(api, "a")
+    out = tmp_path / "submit.out"
+    started = time.monotonic()
+    cli = procs.spawn(
+        [sys.executable, "-m", "service.cli", "submit", "--url", coordinator.url,
+         "--token", TOKEN, "--workdir", "exprs/run1", "--", "python", "-c", "print(1)"],
+        log_path=out,
+    )
+    code = wait_for(lambda: cli.poll() is not None and (cli.returncode,), timeout=60,
+                    what="tidal submit returning")[0]
+    took = time.monotonic() - started
+    text = out.read_text()
+    assert code == 1, text
+    expected = f"working directory {coordinator.workdir_root}/exprs/run1 does not exist"
+    assert expected in text
+    assert took < FAIL_FAST_S + 10, took
+    job_id = api.get("/v1/jobs").json()["jobs"][0]["job_id"]
+    view = _view(api, job_id)
+    assert view["phase"] == "FAILED"
+    assert view["world_size"] == 0
+    assert expected in view["error"]["message"]
+    # The node's slot is free again: nothing of the job runs there.
+    wait_for(lambda: not processes_of_node("a"), timeout=15, what="nothing left on a")
+
+
+@pytest.mark.timeout(180)
+def test_a_working_directory_that_is_a_file_fails_the_job(
+    cluster: tuple[CoordinatorProcess, AgentCluster]
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    (coordinator.workdir_root / "notes").write_text("not a directory")
+    agents.start_agent("a")
+    job_id = _submit(api, command=["python", "-c", "print(1)"], working_dir="notes")
+    view = wait_for(lambda: _failed(api, job_id), timeout=60, what="the job FAILED")
+    assert view["error"]["message"] == (
+        f"working directory {coordinator.workdir_root}/notes is not a directory")
+
+
+@pytest.mark.timeout(180)
+def test_a_symlink_out_of_the_root_made_after_submit_is_refused_and_nothing_runs_there(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster]
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    marker = "tidal-was-here"
+    # No agent yet: the job waits (PENDING) while the link is made under it.
+    job_id = _submit(
+        api, working_dir="exp", checkpoint_dir="exp",
+        command=["python", "-c", f"open({marker!r}, 'w').write('x')"],
+    )
+    assert _view(api, job_id)["phase"] == "PENDING"
+    (coordinator.workdir_root / "exp").symlink_to(outside)
+    agents.start_agent("a")
+    view = wait_for(lambda: _failed(api, job_id), timeout=60, what="the job FAILED")
+    message = view["error"]["message"]
+    assert f"working directory {coordinator.workdir_root}/exp is a symbolic link" in message
+    assert str(outside) in message
+    assert not (outside / marker).exists()
+    assert list(outside.iterdir()) == []
+
+
+def _runner_pid(client: EtcdClient, job_id: str, node: str, *, not_pid: int = 0) -> int | None:
+    status = statuses(client, job_id).get(node)
+    if status is None or status.state.value != "running" or status.pid in (0, not_pid):
+        return None
+    return status.pid
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_the_cause(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    agents.start_agent("a")
+    job_id = _submit(  # checkpoints in $TIDAL_CHECKPOINT_DIR (checkpoint_dir "mlp")
+        api, max_restarts=1, checkpoint_dir="mlp",
+        command=["python", str(MLP), "--total-steps", "100000", "--every-steps", "5",
+                 "--step-seconds", "0.1"],
+    )
+
+    def step() -> int:
+        return int(_view(api, job_id)["last_step"] or 0)
+
+    wait_for(lambda: step() >= 3, timeout=120, what="3 steps")
+    first = wait_for(lambda: _runner_pid(etcd_client, job_id, "a"), timeout=30,
+                     what="the runner's pid in its status")
+    os.kill(first, signal.SIGKILL)
+    killed = time.monotonic()
+    # Restarted, charged: one worker_failed restart, the budget down to 0.
+    status = wait_for(
+        lambda: (s := statuses(etcd_client, job_id).get("a")) is not None
+        and s.restart_reasons.get("worker_failed") == 1 and s,
+        timeout=10, what="the runner's death charged",
+    )
+    noticed = time.monotonic() - killed
+    assert status.error is not None and status.error.signal == "SIGKILL"
+    assert f"the runner (pid {first}) was killed by SIGKILL" in status.error.message
+    second = wait_for(lambda: _runner_pid(etcd_client, job_id, "a", not_pid=first),
+                      timeout=60, what="a new runner running")
+    before = step()
+    wait_for(lambda: step() > before, timeout=60, what="training going on")
+    view = _view(api, job_id)
+    assert view["phase"] == "RUNNING"
+    assert view["restarts"].get("worker_failed") == 1
+    assert statuses(etcd_client, job_id)["a"].remaining_restarts == 0
+    # Again: the budget is spent, so the job fails with the cause.
+    os.kill(second, signal.SIGKILL)
+    killed = time.monotonic()
+    view = wait_for(lambda: _failed(api, job_id), timeout=FAIL_FAST_S, what="the job FAILED")
+    failed_after = time.monotonic() - killed
+    assert f"the runner (pid {second}) was killed by SIGKILL" in view["error"]["message"]
+    wait_for(lambda: not processes_of_node("a"), timeout=15, what="no worker left on a")
+    print(f"runner death charged after {noticed:.2f} s; job FAILED {failed_after:.2f} s "
+          "after the second kill")
