@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps lint test test-fast demo demo-torchrun bench clean
+.PHONY: setup system-deps lint test test-fast demo demo-torchrun bench chaos clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ demo-torchrun: setup
 
 bench: setup
 	$(PY) -m pytest tests -m bench -s $(PYTEST_ARGS)
+
+# The chaos soak for longer than `make test` runs it (40 s of faults): random
+# kills and stops while a job trains; prints the counts, saved to build/chaos-report.json
+# (`python -m tests.chaos.report build/chaos-report.json` prints them again).
+CHAOS_SECONDS ?= 300
+chaos: setup
+	mkdir -p build
+	TIDAL_CHAOS_SECONDS=$(CHAOS_SECONDS) TIDAL_CHAOS_REPORT=$(CURDIR)/build/chaos-report.json \
+		$(PY) -m pytest tests/chaos -m chaos -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -130,6 +130,14 @@ class LoopbackEtcdCluster:
         ]
         member.process = self.procs.spawn(argv, log_path=member.log_path)
 
+    def restart(self, name: str, *, timeout: float = 30.0) -> None:
+        """Start member ``name`` again on its data directory (after it was killed), as an
+        operator would, and wait until it serves. Its data directory holds the cluster's
+        membership, so the initial-cluster flags are not read again."""
+        self._spawn(self.members[name], "restarted")
+        wait_for(lambda: self.healthy(name), timeout=timeout,
+                 what=f"etcd member {name} serving again")
+
     # state -------------------------------------------------------------------------
 
     def _http(self, name: str, path: str, body: dict[str, Any] | None = None) -> Any:
