@@ -65,21 +65,11 @@ def _refusal(path: str, prefix: str, what: str, parent: int, name: str, exc: OSE
     return f"{what} {path}: cannot enter {prefix}: {exc.strerror}"
 
 
-def open_directory(path: str, *, what: str, create: bool = False) -> int:
-    """Open the directory ``path`` without following a symlink in any component.
+def _walk(path: str, what: str, *, missing_ok: bool) -> int | None:
+    """Open ``path`` one component at a time, never following a symlink.
 
-    Args:
-        path: an absolute, normalized path.
-        what: how messages name it ("working directory").
-        create: make missing components (mode 0o777 less the umask), as ``mkdir -p``
-            would, each one also entered without following a symlink.
-
-    Returns:
-        An ``O_PATH`` descriptor of the directory; the caller closes it.
-
-    Raises:
-        JobSetupError: the path is missing (and not ``create``), is not a
-            directory, has a symlink in it, or cannot be entered.
+    Returns the ``O_PATH`` descriptor, or None when ``missing_ok`` and a
+    component does not exist (what exists is checked all the same).
     """
     parts = _components(path, what)
     fd = os.open("/", _OPEN_FLAGS | os.O_DIRECTORY)
@@ -87,28 +77,43 @@ def open_directory(path: str, *, what: str, create: bool = False) -> int:
     try:
         for name in parts:
             prefix += "/" + name
-            if create:
-                try:
-                    os.mkdir(name, dir_fd=fd)  # never follows a symlink named ``name``
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    raise JobSetupError(
-                        f"{what} {path}: cannot create {prefix}: {exc.strerror}"
-                    ) from exc
             try:
                 child = os.open(name, _OPEN_FLAGS | os.O_DIRECTORY, dir_fd=fd)
+            except FileNotFoundError as exc:
+                if missing_ok:
+                    os.close(fd)
+                    return None
+                raise JobSetupError(_refusal(path, prefix, what, fd, name, exc)) from exc
             except OSError as exc:
                 raise JobSetupError(_refusal(path, prefix, what, fd, name, exc)) from exc
             os.close(fd)
             fd = child
-            # O_PATH|O_NOFOLLOW on a symlink would return the link itself; O_DIRECTORY
-            # refuses it, but check the type anyway: this is the whole point.
+            # O_DIRECTORY already refuses a symlink (O_NOFOLLOW would otherwise
+            # open the link itself); check the type anyway: this is the point.
             if not stat.S_ISDIR(os.fstat(fd).st_mode):
                 raise JobSetupError(f"{what} {path}: {prefix} is not a directory")
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def open_directory(path: str, *, what: str) -> int:
+    """Open the directory ``path`` without following a symlink in any component.
+
+    Args:
+        path: an absolute, normalized path.
+        what: how messages name it ("working directory").
+
+    Returns:
+        An ``O_PATH`` descriptor of the directory; the caller closes it.
+
+    Raises:
+        JobSetupError: the path is missing, is not a directory, has a symlink
+            in it, or cannot be entered.
+    """
+    fd = _walk(path, what, missing_ok=False)
+    assert fd is not None  # missing_ok=False raises instead
     return fd
 
 
@@ -127,13 +132,19 @@ def enter_directory(path: str, *, what: str = "working directory") -> None:
         os.close(fd)
 
 
-def ensure_directory(path: str, *, what: str = "checkpoint directory") -> None:
-    """Make ``path`` exist as a directory reached without symlinks (see :func:`open_directory`).
+def check_directory(path: str, *, what: str = "checkpoint directory") -> None:
+    """Check the part of ``path`` that exists as :func:`open_directory` does.
+
+    A directory the job's workers create (a checkpoint directory on its first
+    save) may be missing; they create it as themselves, which matters when the
+    workers run as another user than the agent.
 
     Raises:
-        JobSetupError: a component is a symlink or a file, or cannot be created.
+        JobSetupError: an existing component is a symlink or not a directory.
     """
-    os.close(open_directory(path, what=what, create=True))
+    fd = _walk(path, what, missing_ok=True)
+    if fd is not None:
+        os.close(fd)
 
 
 def check_job_paths(cwd: str | None, checkpoint_dir: str | None) -> None:
@@ -145,4 +156,4 @@ def check_job_paths(cwd: str | None, checkpoint_dir: str | None) -> None:
     if cwd:
         os.close(open_directory(cwd, what="working directory"))
     if checkpoint_dir:
-        ensure_directory(checkpoint_dir, what="checkpoint directory")
+        check_directory(checkpoint_dir, what="checkpoint directory")

@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.jobpaths import JobSetupError, ensure_directory, enter_directory
+from agent.jobpaths import JobSetupError, check_directory, enter_directory
 from agent.lifeline import die_with_parent
+from agent.workeruser import ENV_WORKER_USER, pin_worker_user
 from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
 
 if TYPE_CHECKING:
@@ -63,8 +64,10 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     if job.cwd:
         enter_directory(job.cwd, what="working directory")
     if job.checkpoint_dir:
-        ensure_directory(job.checkpoint_dir, what="checkpoint directory")
+        check_directory(job.checkpoint_dir, what="checkpoint directory")
+    worker_user = os.environ.get(ENV_WORKER_USER)  # the agent's: no job may change it
     os.environ.update(job.env)
+    pin_worker_user(worker_user)
     os.environ.update(
         {
             "TIDAL_JOB_ID": job.job_id,

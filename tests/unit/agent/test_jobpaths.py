@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.jobpaths import JobSetupError, ensure_directory, enter_directory, open_directory
+from agent.jobpaths import JobSetupError, check_directory, enter_directory, open_directory
 from agent.spec import job_command
 
 
@@ -70,14 +70,15 @@ def test_enter_directory_changes_into_it(root: Path):
         os.chdir(before)
 
 
-def test_ensure_directory_creates_what_is_missing_but_not_through_a_symlink(root: Path):
-    ensure_directory(str(root / "ckpt" / "a" / "b"))
-    assert (root / "ckpt" / "a" / "b").is_dir()
-    ensure_directory(str(root / "ckpt" / "a" / "b"))  # already there: fine
+def test_a_checkpoint_directory_may_be_missing_but_not_reached_through_a_symlink(root: Path):
+    check_directory(str(root / "ckpt" / "a" / "b"))  # the workers create it
+    check_directory(str(root / "run1"))
+    assert not (root / "ckpt").exists()
     (root / "root" / "evil").symlink_to(root / "outside")
     with pytest.raises(JobSetupError, match="symbolic link"):
-        ensure_directory(str(root / "root" / "evil" / "ckpt"))
-    assert not (root / "outside" / "ckpt").exists()
+        check_directory(str(root / "root" / "evil" / "ckpt"))
+    with pytest.raises(JobSetupError, match="not a directory"):
+        check_directory(str(root / "file" / "ckpt"))
 
 
 def test_bare_python_means_the_runners_interpreter():
