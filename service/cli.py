@@ -36,7 +36,7 @@ from rendezvous.settings import settings_error_message
 from service.commands import register as register_job_commands
 from service.ready import ReadyFile, write_ready
 from service.settings import SettingsError, build_settings
-from service.up import up_command
+from service.up_cli import up_command
 
 if TYPE_CHECKING:
     from agent.daemon import Agent
@@ -175,6 +175,9 @@ def rdzv_clean(
 @click.option("--warm-runner/--no-warm-runner", default=None,
               help="Keep a runner with torch imported ready for the next job (default: on; "
               "costs about 0.5 GB of memory while idle).")
+@click.option("--worker-user",
+              help="Run the jobs' workers as this user (the agent must run as root); by "
+              "default they run as the agent's user and can read what it can.")
 @ready_file_option
 def agent_command(ready_file: Path | None, **flags: object) -> None:
     """Run the node agent: register this node and run the jobs assigned to it."""
