@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from agent.admission import AssignmentGate
 from agent.jobpaths import JobSetupError, check_job_paths
+from agent.logcap import open_private_log
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import (
@@ -64,6 +65,7 @@ from agent.spec import (
     read_outcome,
 )
 from agent.supervise import Action, after_exit
+from agent.workeruser import ENV_WORKER_USER, lookup, private_dir
 from agent.zygote import TITLE_ROOM
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.errors import EtcdError
@@ -172,7 +174,9 @@ class Agent:
     def run(self) -> None:
         """Register, follow assignments until :meth:`stop`, then clean up."""
         settings = self.settings
-        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        # Nobody else reads the jobs' logs and specs (workers as another user pass through).
+        worker_user = lookup(settings.worker_user) if settings.worker_user else None
+        private_dir(settings.run_dir, worker_user)
         self._keep_warm()  # first: its imports overlap with everything below
         registration: NodeRegistration | None = None
         try:
@@ -413,7 +417,7 @@ class Agent:
             f.write(spec.model_dump_json())  # it may hold etcd credentials and job secrets
         process = self._take_warm(assignment.job_id, spec_path, job_dir / "runner.log")
         if process is None:
-            with open(job_dir / "runner.log", "ab") as log_file:
+            with open_private_log(job_dir / "runner.log") as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "agent.runner_main", str(spec_path)],
                     stdin=subprocess.DEVNULL,
@@ -433,6 +437,8 @@ class Agent:
             env["TIDAL_JOB_ID"] = job_id
         if self.settings.etcd_password is not None:
             env["TIDAL_ETCD_PASSWORD"] = self.settings.etcd_password.get_secret_value()
+        if self.settings.worker_user is not None:
+            env[ENV_WORKER_USER] = self.settings.worker_user
         return env
 
     # warm runners ----------------------------------------------------------------
@@ -467,7 +473,7 @@ class Agent:
         warm_dir.mkdir(parents=True, exist_ok=True)
         self._warm_started += 1
         log_path = warm_dir / f"runner-{os.getpid()}-{self._warm_started}.log"
-        with open(log_path, "ab") as log_file:
+        with open_private_log(log_path) as log_file:
             process = subprocess.Popen(
                 # TITLE_ROOM: room for the title it takes with a job (see runner_main).
                 [sys.executable, "-m", "agent.runner_main", "--warm", TITLE_ROOM],

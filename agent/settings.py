@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from agent.logcap import DEFAULT_MAX_BYTES
+from agent.workeruser import check_setting
 from rendezvous.keys import validate_id
 from rendezvous.settings import EtcdSettings
 
@@ -45,8 +47,15 @@ class AgentSettings(EtcdSettings):
     log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
     # Keep a runner (and its zygote) started ahead of the next job; see agent.daemon.
     warm_runner: bool = True
+    # Run the jobs' workers as this user (the agent must be root); see agent.workeruser.
+    worker_user: str | None = Field(default=None, min_length=1, max_length=64)
 
     @field_validator("node_id")
     @classmethod
     def _node_id(cls, value: str) -> str:
         return validate_id(value, what="node id")
+
+    @field_validator("worker_user")
+    @classmethod
+    def _worker_user(cls, value: str | None) -> str | None:
+        return check_setting(value, euid=os.geteuid())

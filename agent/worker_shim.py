@@ -20,6 +20,7 @@ import sys
 
 from agent.lifeline import die_with_parent
 from agent.logcap import reopen_for_append
+from agent.workeruser import WorkerUserError, switch_from_env
 from agent.zygote import ENV_SOCKET, run_through
 
 USAGE = "usage: python -m agent.worker_shim PARENT_PID -- COMMAND [ARG...]"
@@ -29,8 +30,15 @@ def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
         sys.stderr.write(USAGE + "\n")
         raise SystemExit(2)
-    die_with_parent(expected_parent=int(argv[0]))
-    reopen_for_append()  # so that the runner can cap the log files (agent.logcap)
+    # While still the runner's user, which owns the log files: private, and
+    # append-only so that the runner can cap them (agent.logcap).
+    reopen_for_append()
+    try:
+        switch_from_env()  # the agent's worker user, if it names one (agent.workeruser)
+    except WorkerUserError as exc:
+        sys.stderr.write(f"tidal: {exc}\n")
+        raise SystemExit(126) from exc
+    die_with_parent(expected_parent=int(argv[0]))  # after: a change of user clears it
     command = argv[2:]
     zygote = os.environ.pop(ENV_SOCKET, None)
     if zygote:  # a pre-started interpreter that has imported torch (agent.zygote)

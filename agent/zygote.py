@@ -362,23 +362,44 @@ def _preload(module: str) -> bool:
 
 
 class ZygoteProcess:
-    """The runner's handle on its zygote: started at once, ready when it listens."""
+    """The runner's handle on its zygote: started at once, ready when it listens.
+
+    Where the agent names a worker user (:mod:`agent.workeruser`), the
+    zygote runs as that user, and so does every worker it forks. If it cannot
+    be started, there is none: the shims find nobody at its address and
+    ``exec`` the command.
+    """
 
     def __init__(self, runner_pid: int) -> None:
+        from agent.workeruser import from_env, user_env
+
         self.path = new_address()  # abstract: no file to remove, even after a SIGKILL
-        self._proc = subprocess.Popen(  # a fixed argv, never a shell
-            [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid), TITLE_ROOM],
-            stdin=subprocess.DEVNULL,
-            # setproctitle may then use only the argument area (TITLE_ROOM is
-            # its room), and /proc/PID/environ stays readable for tools.
-            env={**os.environ, "SPT_NOENV": "1"},
-            stdout=subprocess.PIPE,  # one line, "ready", once it listens
-        )
+        self._proc: subprocess.Popen[bytes] | None = None
+        try:
+            user = from_env()
+            as_user: dict[str, Any] = {}
+            env = {**os.environ, "SPT_NOENV": "1"}
+            if user is not None:
+                as_user = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+                env.update(user_env(user))
+            self._proc = subprocess.Popen(  # a fixed argv, never a shell
+                [sys.executable, "-m", "agent.zygote", self.path, str(runner_pid), TITLE_ROOM],
+                stdin=subprocess.DEVNULL,
+                # setproctitle may then use only the argument area (TITLE_ROOM is
+                # its room), and /proc/PID/environ stays readable for tools.
+                env=env,
+                stdout=subprocess.PIPE,  # one line, "ready", once it listens
+                **as_user,
+            )
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("cannot start the zygote (%s): workers start without it", exc)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the zygote listens (True), dies or ``timeout_s`` passes."""
         import selectors
 
+        if self._proc is None:
+            return False
         assert self._proc.stdout is not None
         with selectors.DefaultSelector() as selector:
             selector.register(self._proc.stdout, selectors.EVENT_READ)
@@ -387,6 +408,8 @@ class ZygoteProcess:
         return self._proc.stdout.readline().strip() == b"ready"
 
     def close(self) -> None:
+        if self._proc is None:
+            return
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
