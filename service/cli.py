@@ -178,9 +178,6 @@ def rdzv_clean(
 @click.option("--worker-user",
               help="Run the jobs' workers as this user (the agent must run as root); by "
               "default they run as the agent's user and can read what it can.")
-@click.option("--worker-user",
-              help="Run the jobs' workers as this user (the agent must run as root); by "
-              "default they run as the agent's user and can read what it can.")
 @ready_file_option
 def agent_command(ready_file: Path | None, **flags: object) -> None:
     """Run the node agent: register this node and run the jobs assigned to it."""
