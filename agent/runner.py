@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -245,6 +246,17 @@ class TidalElasticAgent(LocalElasticAgent):
         self._report_running()
 
 
+def _ignore_stop_requests() -> None:
+    """From here on the outcome is decided; let a SIGTERM not interrupt reporting it.
+
+    The coordinator removes a finished job's assignments as soon as one node
+    reports, so the daemon SIGTERMs runners that are still closing down;
+    torch's handler would raise in the middle of a status write or of the
+    zygote's close. The daemon SIGKILLs a runner that lingers past its grace.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
     """The first status record of a runner: a fresh one, or its dead predecessor's, going on."""
     job = spec.assignment
@@ -322,11 +334,13 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     try:
         result = agent.run()
     except SignalException as exc:
+        _ignore_stop_requests()
         log.info("stopping on %s: leaving the job (the others go on)", exc.sigval.name)
         handler.leave()
         reporter.update(state=JobNodeState.CANCELLED)
         return EXIT_STOPPED
     finally:
+        _ignore_stop_requests()
         cap.close()
         reporter.close()
     if result.is_failed():
