@@ -100,6 +100,7 @@ def _wait_up(proc: subprocess.Popen[bytes], log_path: Path, cluster: Path) -> No
     wait_for(up, timeout=120, what="tidal up ready")
 
 
+@pytest.mark.slow  # about 20 s on an idle 2-core machine, 40 s on a busy one
 @pytest.mark.timeout(240)
 def test_running_tidal_as_the_readme_says(tmp_path: Path, procs: ProcessGroupRegistry):
     home = tmp_path / "home"
