@@ -4,8 +4,11 @@ torch elastic runs ``python -m agent.worker_shim -- ARGV...`` instead of the
 job's command: the shim sets the parent-death signal (see
 :mod:`agent.lifeline`) and then ``exec``s the command unchanged, as a literal
 argument vector (never through a shell). The signal survives ``exec``. It
-also re-opens stdout and stderr in append mode, so that the runner can cap
-the log files by copy-and-truncate (:mod:`agent.logcap`).
+first makes stdout and stderr append-only and private (0600), so that the
+runner can cap the log files by copy-and-truncate (:mod:`agent.logcap`),
+and, where the agent names a worker user, becomes that user
+(:mod:`agent.workeruser`) before it sets the signal (a change of user
+clears it).
 
 Where the runner's zygote (:mod:`agent.zygote`) is ready and the command is
 a Python script or module, the shim has the zygote fork the worker instead,
