@@ -222,9 +222,12 @@ class ChaosCluster:
     def wait_coordinators(self, timeout: float = 60.0) -> str:
         """Wait until both coordinators answer /healthz and one leads; return the leader."""
         for name, coordinator in self.coordinators.items():
-            wait_for(lambda c=coordinator: httpx.get(f"{c.url}/healthz", timeout=2).is_success,
+            url = f"{coordinator.url}/healthz"
+            wait_for(lambda u=url: httpx.get(u, timeout=2).is_success,  # type: ignore[misc]
                      timeout=timeout, interval=0.2, what=f"coordinator {name} healthy")
-        return wait_for(self.leader, timeout=timeout, interval=0.2, what="a coordinator leading")
+        leader: str = wait_for(self.leader, timeout=timeout, interval=0.2,
+                               what="a coordinator leading")
+        return leader
 
     # etcd -------------------------------------------------------------------------------
 

@@ -78,8 +78,9 @@ class Soak:
                     and all(n["state"] == "running" for n in nodes))
             return view if full and min(n["last_step"] or 0 for n in nodes) > past else None
 
-        view = wait_for(progressed, timeout=RECOVERY_TIMEOUT_S, interval=0.2,
-                        what=f"the job at world size {len(NODES)} past step {past} ({what})")
+        view: dict[str, Any] = wait_for(
+            progressed, timeout=RECOVERY_TIMEOUT_S, interval=0.2,
+            what=f"the job at world size {len(NODES)} past step {past} ({what})")
         assert view["phase"] in ("RUNNING", "SUCCEEDED"), (
             f"the job ended {view['phase']} after {what}: {view.get('error')}"
         )
@@ -140,8 +141,8 @@ class Soak:
                         f"restart_count {count} -> {st.restart_count} "
                         f"({st.last_restart_reason.value if st.last_restart_reason else '-'})")
 
-            fault.accounted = wait_for(reported, timeout=EVENT_TIMEOUT_S, interval=0.1,
-                                       what=f"{node}'s status to count a restart")
+            fault.accounted = str(wait_for(reported, timeout=EVENT_TIMEOUT_S, interval=0.1,
+                                           what=f"{node}'s status to count a restart"))
             fault.restarted = True
         except TimeoutError as exc:
             self.problems.append(f"{fault.kind.value} {fault.target} (at {fault.at_s} s) left "
@@ -169,8 +170,8 @@ class Soak:
 
     def _kill_runner(self, fault: Fault, seq: int) -> bool:
         node = self._node()
-        pid = wait_for(lambda: self.cluster.runner_of(node), timeout=30, interval=0.1,
-                       what=f"{node}'s job runner")
+        pid: int = wait_for(lambda: self.cluster.runner_of(node), timeout=30, interval=0.1,
+                            what=f"{node}'s job runner")
         fault.target = f"runner of {node} (pid {pid})"
         self._mark_victim(node)
         os.kill(pid, signal.SIGKILL)

@@ -52,9 +52,12 @@ log = logging.getLogger(__name__)
 CHAOS_SECONDS = float(os.environ.get("TIDAL_CHAOS_SECONDS", "40"))
 RUNNER_KILLS = os.environ.get("TIDAL_CHAOS_RUNNER_KILLS", "1") != "0"
 STEP_SECONDS = 0.05
-# Enough steps that training outlasts the faults. The job keeps training at a
-# smaller size while a node is away: a fault and its recovery take 30 to 200 steps.
-TOTAL_STEPS = int(CHAOS_SECONDS * 12) + 400
+# Enough steps that training outlasts the faults, and not many more: after
+# them the job trains out its remaining steps undisturbed. The job keeps
+# training at a smaller size while a node is away: a fault and its recovery
+# took 30 to 200 steps (2.5 to 4 steps/s over a soak) on the loaded 2-core
+# machine, and one of each kind about 500 steps.
+TOTAL_STEPS = max(900, int(CHAOS_SECONDS * 4) + 400)
 #: Faults stop this many steps before the end, so that each has room to recover.
 END_MARGIN_STEPS = 150
 ARGS = [
@@ -141,11 +144,15 @@ def test_random_kills_and_stops_while_training_end_with_the_uninterrupted_parame
         })["job_id"])
         soak = Soak(cluster, job_id, rng, tally)
         soak.wait_progress(5, what="the first steps")
+        _check_marked(cluster, marker)
         _run_faults(soak, rng)
-        view = wait_for(
-            lambda: (v := soak.view())["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED") and v,
-            timeout=TOTAL_STEPS * STEP_SECONDS * 3 + 120, interval=0.5, what="the job's end")
-        tally.final_step = view["last_step"]
+
+        def ended() -> dict[str, Any] | None:
+            view = soak.view() if soak is not None else {}
+            return view if view.get("phase") in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+
+        view = wait_for(ended, timeout=TOTAL_STEPS * STEP_SECONDS * 3 + 120, interval=0.5,
+                        what="the job's end")
         tally.succeeded = view["phase"] == "SUCCEEDED"
         tally.restarts = dict(view["restarts"])
         assert tally.succeeded, f"the job ended {view['phase']}: {view.get('error')}"
@@ -158,18 +165,37 @@ def test_random_kills_and_stops_while_training_end_with_the_uninterrupted_parame
         raise AssertionError(f"chaos seed {seed}: {exc} ({replay})") from exc
 
     want = _params(json.loads(reference_record.read_text()))
-    got = _params(json.loads(record.read_text()))
+    elastic = json.loads(record.read_text())
+    got = _params(elastic)
+    # The last run's first step (its checkpoint) plus the steps it trained: all of them.
+    tally.final_step = int(elastic["first_step"]) + len(elastic["steps"])
     tally.max_abs_diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     cluster.close()
     leftovers = _finish(tally, procs, marker, tmp_path)
     with capsys.disabled():
         print(format_counts(tally.counts()), flush=True)
+    assert tally.final_step == TOTAL_STEPS, (
+        f"the job ended after step {tally.final_step} of {TOTAL_STEPS} (seed {seed})")
     assert not leftovers, f"processes of the soak left after its end: {leftovers} (seed {seed})"
     assert soak is not None and not soak.problems, (
         f"faults that left no trace (seed {seed}):\n" + "\n".join(soak.problems))
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-10, rtol=0,
                                    msg=lambda m: f"{m} (chaos seed {seed})")
+
+
+def _check_marked(cluster: ChaosCluster, marker: str) -> None:
+    """The end's "no process left" looks for ``marker`` in environments: check that the
+    soak's processes, workers included, do carry it."""
+    marked = set(processes_with_env(marker))
+    workers = [pid for node in NODES for pid in cluster.workers_of(node)]
+    members = [m.process.pid for m in cluster.etcd.members.values() if m.process is not None]
+    coordinators = [c.process.pid for c in cluster.coordinators.values() if c.process is not None]
+    agents = [cluster.agent_pid(node) for node in NODES]
+    unmarked = set(workers + members + coordinators + agents) - marked
+    assert workers and not unmarked, (
+        f"processes of the soak without {marker.split('=')[0]} in their environment: "
+        f"{sorted(unmarked)} (workers found: {workers})")
 
 
 def _finish(tally: Tally, procs: ProcessGroupRegistry, marker: str, tmp_path: Path) -> list[int]:
