@@ -31,6 +31,9 @@ from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+# A node id no other test uses: processes are found by TIDAL_NODE_ID, and
+# other tests may run on this machine at the same time.
+NODE = "runner-failures"
 
 # From assignment to FAILED: an agent pass (0.5 s), a runner's start without
 # torch (the check comes before it), the coordinator's next pass. Generous
@@ -84,8 +87,8 @@ def test_a_missing_working_directory_fails_the_job_and_submit_exits_1(
 ):
     coordinator, agents = cluster
     api = coordinator.client()
-    agents.start_agent("a")
-    _wait_ready(api, "a")
+    agents.start_agent(NODE)
+    _wait_ready(api, NODE)
     out = tmp_path / "submit.out"
     started = time.monotonic()
     cli = procs.spawn(
@@ -107,7 +110,7 @@ def test_a_missing_working_directory_fails_the_job_and_submit_exits_1(
     assert view["world_size"] == 0
     assert expected in view["error"]["message"]
     # The node's slot is free again: nothing of the job runs there.
-    wait_for(lambda: not processes_of_node("a"), timeout=15, what="nothing left on a")
+    wait_for(lambda: not processes_of_node(NODE), timeout=15, what="nothing left on the node")
 
 
 @pytest.mark.timeout(180)
@@ -117,7 +120,7 @@ def test_a_working_directory_that_is_a_file_fails_the_job(
     coordinator, agents = cluster
     api = coordinator.client()
     (coordinator.workdir_root / "notes").write_text("not a directory")
-    agents.start_agent("a")
+    agents.start_agent(NODE)
     job_id = _submit(api, command=["python", "-c", "print(1)"], working_dir="notes")
     view = wait_for(lambda: _failed(api, job_id), timeout=60, what="the job FAILED")
     assert view["error"]["message"] == (
@@ -140,7 +143,7 @@ def test_a_symlink_out_of_the_root_made_after_submit_is_refused_and_nothing_runs
     )
     assert _view(api, job_id)["phase"] == "PENDING"
     (coordinator.workdir_root / "exp").symlink_to(outside)
-    agents.start_agent("a")
+    agents.start_agent(NODE)
     view = wait_for(lambda: _failed(api, job_id), timeout=60, what="the job FAILED")
     message = view["error"]["message"]
     assert f"working directory {coordinator.workdir_root}/exp is a symbolic link" in message
@@ -162,7 +165,7 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
 ):
     coordinator, agents = cluster
     api = coordinator.client()
-    agents.start_agent("a")
+    agents.start_agent(NODE)
     job_id = _submit(  # checkpoints in $TIDAL_CHECKPOINT_DIR (checkpoint_dir "mlp")
         api, max_restarts=1, checkpoint_dir="mlp",
         command=["python", str(MLP), "--total-steps", "100000", "--every-steps", "5",
@@ -173,33 +176,33 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
         return int(_view(api, job_id)["last_step"] or 0)
 
     wait_for(lambda: step() >= 3, timeout=120, what="3 steps")
-    first = wait_for(lambda: _runner_pid(etcd_client, job_id, "a"), timeout=30,
+    first = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE), timeout=30,
                      what="the runner's pid in its status")
     os.kill(first, signal.SIGKILL)
     killed = time.monotonic()
     # Restarted, charged: one worker_failed restart, the budget down to 0.
     status = wait_for(
-        lambda: (s := statuses(etcd_client, job_id).get("a")) is not None
+        lambda: (s := statuses(etcd_client, job_id).get(NODE)) is not None
         and s.restart_reasons.get("worker_failed") == 1 and s,
         timeout=10, what="the runner's death charged",
     )
     noticed = time.monotonic() - killed
     assert status.error is not None and status.error.signal == "SIGKILL"
     assert f"the runner (pid {first}) was killed by SIGKILL" in status.error.message
-    second = wait_for(lambda: _runner_pid(etcd_client, job_id, "a", not_pid=first),
+    second = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE, not_pid=first),
                       timeout=60, what="a new runner running")
     before = step()
     wait_for(lambda: step() > before, timeout=60, what="training going on")
     view = _view(api, job_id)
     assert view["phase"] == "RUNNING"
     assert view["restarts"].get("worker_failed") == 1
-    assert statuses(etcd_client, job_id)["a"].remaining_restarts == 0
+    assert statuses(etcd_client, job_id)[NODE].remaining_restarts == 0
     # Again: the budget is spent, so the job fails with the cause.
     os.kill(second, signal.SIGKILL)
     killed = time.monotonic()
     view = wait_for(lambda: _failed(api, job_id), timeout=FAIL_FAST_S, what="the job FAILED")
     failed_after = time.monotonic() - killed
     assert f"the runner (pid {second}) was killed by SIGKILL" in view["error"]["message"]
-    wait_for(lambda: not processes_of_node("a"), timeout=15, what="no worker left on a")
+    wait_for(lambda: not processes_of_node(NODE), timeout=15, what="no worker left on the node")
     print(f"runner death charged after {noticed:.2f} s; job FAILED {failed_after:.2f} s "
           "after the second kill")
