@@ -225,3 +225,25 @@ def test_a_shim_does_not_talk_to_a_socket_of_another_user(tmp_path: Path) -> Non
     finally:
         squatter.kill()
         squatter.wait(10)
+
+
+def test_a_zygote_runs_as_the_worker_user_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root, to start the zygote as another user")
+    import pwd
+
+    monkeypatch.setenv("TIDAL_WORKER_USER", "nobody")
+    process = ZygoteProcess(os.getpid())
+    try:
+        if process.wait_ready(120):  # the worker user may run this interpreter
+            assert process._proc is not None
+            status = Path(f"/proc/{process._proc.pid}/status").read_text()
+            uid = pwd.getpwnam("nobody").pw_uid
+            assert f"Uid:\t{uid}\t{uid}\t{uid}" in status
+        else:  # it may not (a virtual environment under /root): no zygote, no error
+            assert process._proc is None or process._proc.poll() is not None
+    finally:
+        process.close()
+    process.close()  # twice is harmless
