@@ -227,7 +227,7 @@ def guarded(spec: RunnerSpec, body: Callable[[], int]) -> int:
         log.exception("the runner failed")
         with _logged_oserror("the outcome file"):
             write_outcome(spec.job_dir, RunnerOutcome(
-                pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"[-4000:],
+                pid=os.getpid(), message=f"{type(exc).__name__}: {exc}".strip()[-4000:],
                 traceback=traceback.format_exc()[-60000:],
             ))
         return EXIT_CRASHED

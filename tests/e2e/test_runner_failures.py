@@ -7,7 +7,8 @@ Real etcd, a real coordinator, real agents and the real CLI:
 * a working directory that is a file: FAILED, "is not a directory";
 * a symlink out of the root made after submit: FAILED, nothing ran there;
 * ``kill -9`` of the runner: it is restarted (charged to the budget) and
-  training goes on; once the budget is spent, the job FAILS naming SIGKILL.
+  training goes on; once the budget is spent, the job FAILS naming SIGKILL;
+* a runner that raises: restarted on the budget, then FAILED with its traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import pytest
 
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
-from tests.support.agents import AgentCluster, processes_of_node, statuses
+from rendezvous.records import Assignment, JobNodeState
+from tests.support.agents import AgentCluster, assign, processes_of_node, statuses
 from tests.support.coordinator import TOKEN, CoordinatorProcess
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
@@ -206,3 +208,40 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     wait_for(lambda: not processes_of_node(NODE), timeout=15, what="no worker left on the node")
     print(f"runner death charged after {noticed:.2f} s; job FAILED {failed_after:.2f} s "
           "after the second kill")
+
+
+@pytest.mark.timeout(180)
+def test_a_runner_that_raises_is_restarted_on_the_budget_then_fails_with_its_traceback(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+):
+    agents = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    # The job's log directory is a file: the runner raises once it has written
+    # its first status, every time (as the daemon sees it, a bug of the runner).
+    job = Assignment(job_id="crashy", command=["python", "-c", "print(1)"], min_nodes=1,
+                     max_nodes=1, max_restarts=1)
+    job_dir = tmp_path / NODE / "jobs" / "crashy" / "gen-1"
+    job_dir.mkdir(parents=True)
+    (job_dir / "logs").write_text("not a directory")
+    agents.start_agent(NODE)
+    try:
+        assign(etcd_client, NODE, job)
+        status = wait_for(
+            lambda: (s := statuses(etcd_client, "crashy").get(NODE)) is not None
+            and s.state == JobNodeState.FAILED and s,
+            timeout=120, what="the job FAILED on the node",
+        )
+    except BaseException:
+        print(agents.log_tails())
+        raise
+    assert status.restart_reasons == {"worker_failed": 2}  # the restart, then the end
+    assert status.remaining_restarts == 0
+    assert status.error is not None
+    assert status.error.exit_code == 4
+    assert status.error.message.startswith("the runner (pid ")
+    assert status.error.message.endswith(
+        f"exited with code 4: NotADirectoryError: log_dir: {job_dir}/logs is a file")
+    assert "Traceback" in status.error.traceback
+    wait_for(lambda: not processes_of_node(NODE), timeout=15, what="nothing left on the node")
