@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 RESIZE_ENV = ("TIDAL_RESIZE_POLICY", "TIDAL_GLOBAL_BATCH_SIZE")
 #: Pauses between two looks at an ignored assignment's job record.
 RECHECK_FIRST_S = 0.25
-RECHECK_MAX_S = 10.0
+RECHECK_MAX_S = 5.0
 
 
 class _ResizePolicyView(BaseModel):
