@@ -10,7 +10,9 @@ is gone) from running:
 * the job must exist: ``jobs/<job>`` holds its record, which only the
   coordinator writes;
 * the record must give this node this very generation (``nodes``, which the
-  coordinator writes with the assignments, or before them);
+  coordinator writes in the same transaction as the assignments, or, for a
+  job too large for one, just after them: an ignored assignment is asked
+  about again);
 * the assignment must say what the record says: command, working directory,
   environment, bounds, restart budget, grace period and checkpoint path, so
   an assignment edited after the coordinator wrote it does not run either.
