@@ -30,6 +30,7 @@ class Fault:
     recovery_s: float | None = None  # until the job made a step past ``step``
     events: list[str] = field(default_factory=list)  # job events it produced (reasons)
     accounted: str = ""  # how the soak checked it left its mark
+    job_restarts: dict[str, int] = field(default_factory=dict)  # the job's, once recovered
 
     @property
     def steps_redone(self) -> int:

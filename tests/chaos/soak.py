@@ -110,6 +110,7 @@ class Soak:
             self._wait_restart_reported(fault)
         after = self.wait_progress(fault.step, what=f"{kind.value} {fault.target}")
         fault.recovery_s = round(time.monotonic() - started, 1)
+        fault.job_restarts = dict(after["restarts"])
         events = self.events_since(seq)
         fault.events = [f"{e['reason']}({','.join(e['nodes'])})" for e in events]
         fault.restarted = (
