@@ -221,3 +221,26 @@ def test_an_unreadable_metrics_file_reads_as_none(tmp_path: Path) -> None:
     assert read_runner_metrics(tmp_path / "missing.json") is None
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
     assert read_runner_metrics(tmp_path / "bad.json") is None
+
+
+def test_a_runner_replacing_a_dead_one_goes_on_from_its_counters(tmp_path: Path) -> None:
+    first = make_reporter(tmp_path, FakeEtcd()).start()
+    first.count_restart(RestartReason.NODE_LOST)
+    first.count_exits([-9])
+    first.close()
+    status = JobNodeStatus(job_id="j", node_id="n", generation=3, state=JobNodeState.STARTING)
+    second = StatusReporter(FakeEtcd(), status,  # type: ignore[arg-type]
+                            metrics_path=tmp_path / "metrics.json", resume_metrics=True).start()
+    second.count_exits([1])
+    second.close()
+    data = read_runner_metrics(tmp_path / "metrics.json")
+    assert data is not None
+    assert data.restarts == {"node_lost": 1}
+    assert data.worker_exits == {"-9": 1, "1": 1}
+    # A file of another generation is not this runner's to go on from.
+    other = JobNodeStatus(job_id="j", node_id="n", generation=4, state=JobNodeState.STARTING)
+    third = StatusReporter(FakeEtcd(), other,  # type: ignore[arg-type]
+                           metrics_path=tmp_path / "metrics.json", resume_metrics=True).start()
+    third.close()
+    fresh = read_runner_metrics(tmp_path / "metrics.json")
+    assert fresh is not None and fresh.restarts == {} and fresh.generation == 4
