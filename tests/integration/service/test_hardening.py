@@ -145,31 +145,49 @@ def test_a_stored_job_too_big_for_one_request_places_in_several_and_others_still
     assert _metric(metrics, "tidal_coordinator_job_write_failures_total") == 0
 
 
-@pytest.fixture
-def strict_etcd(tmp_path: Path, durable_etcd_binary: Path) -> Iterator[EtcdServer]:
-    """A private etcd that refuses transactions of more than 8 operations."""
+# Two ways etcd refuses one job's change: more operations than --max-txn-ops
+# (10 assignments, the record and 2 events: 13 > 8), and a request over
+# --max-request-bytes (2 assignments and the record of a 100 KB spec: 300 KB >
+# 200 KB, while the API's own write of the record, 100 KB, fits).
+REFUSALS = {
+    "too-many-operations": (["--max-txn-ops", "8"], {"min_nodes": 10, "max_nodes": 10},
+                            "too many operations"),
+    "request-too-large": (["--max-request-bytes", str(200 * 1024)],
+                          {"min_nodes": 2, "max_nodes": 2,
+                           "env": {f"V{i}": "x" * 8000 for i in range(12)}},
+                          "request is too large"),
+}
+
+
+@pytest.fixture(params=sorted(REFUSALS))
+def strict_etcd(
+    request: pytest.FixtureRequest, tmp_path: Path, durable_etcd_binary: Path
+) -> Iterator[tuple[EtcdServer, dict[str, object], str]]:
+    """A private etcd with a limit one job's change exceeds; the job and etcd's message."""
+    flags, job, message = REFUSALS[request.param]
     server = EtcdServer(data_dir=tmp_path / "etcd-strict", binary=durable_etcd_binary,
-                        extra_args=["--max-txn-ops", "8"])
+                        extra_args=flags)
     server.start()
     try:
-        yield server
+        yield server, job, message
     finally:
         server.cleanup()
 
 
 def test_a_job_whose_write_etcd_refuses_fails_on_its_own_and_the_others_are_scheduled(
-    tmp_path: Path, strict_etcd: EtcdServer, procs: ProcessGroupRegistry
+    tmp_path: Path, strict_etcd: tuple[EtcdServer, dict[str, object], str],
+    procs: ProcessGroupRegistry,
 ):
+    etcd, wide_spec, refusal = strict_etcd
     coordinator = CoordinatorProcess(
-        etcd_endpoint=strict_etcd.endpoint, etcd_root="/tidal", workdir=tmp_path, procs=procs,
+        etcd_endpoint=etcd.endpoint, etcd_root="/tidal", workdir=tmp_path, procs=procs,
     ).start()
-    config = EtcdConfig(endpoints=[strict_etcd.endpoint], root="/tidal", timeout_s=5.0)
+    config = EtcdConfig(endpoints=[etcd.endpoint], root="/tidal", timeout_s=5.0)
     with create_client(config) as client, coordinator.client() as api:
         registered = Nodes(client)
         try:
             registered.add(*(f"n-{i}" for i in range(12)))
-            # 10 assignments, the record and 2 events: 13 operations, over etcd's 8.
-            wide = _submit(api, name="wide", min_nodes=10, max_nodes=10)
+            wide = _submit(api, name="wide", **wide_spec)
             small = _submit(api, name="small")
             wait_for(lambda: _job(api, small)["phase"] == "RUNNING", timeout=30,
                      what=f"the small job RUNNING; log:\n{coordinator.log_tail()}")
@@ -178,11 +196,10 @@ def test_a_job_whose_write_etcd_refuses_fails_on_its_own_and_the_others_are_sche
             assert view["exit_reason"] == "unschedulable"
             events = api.get(f"/v1/jobs/{wide}/events").json()["events"]
             refused = [e for e in events if e["reason"] == "write_failed"]
-            assert refused and "too many operations" in refused[-1]["message"], events
+            assert refused and refusal in refused[-1]["message"], events
             finished = [c for c in view["conditions"]  # type: ignore[attr-defined]
                         if c["type"] == "Finished"]
-            assert finished[0]["status"] is True and "too many operations" in finished[0][
-                "message"]
+            assert finished[0]["status"] is True and refusal in finished[0]["message"]
             assert _placed(client, wide) == {}
             assert api.get("/readyz").status_code == 200
             metrics = httpx.get(f"{coordinator.url}/metrics", timeout=5).text
