@@ -245,3 +245,38 @@ def test_a_runner_that_raises_is_restarted_on_the_budget_then_fails_with_its_tra
         f"exited with code 4: NotADirectoryError: log_dir: {job_dir}/logs is a file")
     assert "Traceback" in status.error.traceback
     wait_for(lambda: not processes_of_node(NODE), timeout=15, what="nothing left on the node")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sigkilled_runner_of_a_two_node_job_rejoins_and_the_job_trains_on_at_two(
+    cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
+):
+    coordinator, agents = cluster
+    api = coordinator.client()
+    other = f"{NODE}-2"
+    agents.start_agent(NODE)
+    agents.start_agent(other)
+    job_id = _submit(
+        api, max_restarts=2, min_nodes=1, max_nodes=2, checkpoint_dir="mlp",
+        command=["python", str(MLP), "--total-steps", "100000", "--every-steps", "5",
+                 "--step-seconds", "0.1", "--global-batch-size", "8"],
+    )
+
+    def at_two() -> bool:
+        view = _view(api, job_id)
+        return view["phase"] == "RUNNING" and view["world_size"] == 2
+
+    wait_for(at_two, timeout=120, what="RUNNING at world size 2")
+    wait_for(lambda: int(_view(api, job_id)["last_step"] or 0) >= 3, timeout=60, what="3 steps")
+    victim = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE), timeout=30,
+                      what="the runner's pid")
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: _runner_pid(etcd_client, job_id, NODE, not_pid=victim), timeout=60,
+             what="a new runner running")
+    before = int(_view(api, job_id)["last_step"] or 0)
+    wait_for(lambda: at_two() and int(_view(api, job_id)["last_step"] or 0) > before,
+             timeout=90, what="training on at world size 2")
+    status = statuses(etcd_client, job_id)[NODE]
+    assert status.restart_reasons.get("worker_failed") == 1
+    assert _view(api, job_id)["phase"] == "RUNNING"
