@@ -52,12 +52,17 @@ class Soak:
     def next_seq(self) -> int:
         return max((e["seq"] for e in self.cluster.events(self.job_id)), default=-1) + 1
 
-    def wait_event(self, reason: str, node: str, seq: int) -> None:
-        wait_for(
-            lambda: any(e["reason"] == reason and node in e["nodes"]
-                        for e in self.events_since(seq)),
-            timeout=EVENT_TIMEOUT_S, interval=0.2, what=f"a {reason} event naming {node}",
-        )
+    def wait_event(self, reason: str, node: str, seq: int, *, unless_ended: bool = False) -> None:
+        """Wait for a job event of ``reason`` naming ``node`` (or, if ``unless_ended``,
+        for the job's end: a node cannot rejoin a job that finished meanwhile)."""
+
+        def seen() -> bool:
+            if any(e["reason"] == reason and node in e["nodes"] for e in self.events_since(seq)):
+                return True
+            return unless_ended and self.view()["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+        wait_for(seen, timeout=EVENT_TIMEOUT_S, interval=0.2,
+                 what=f"a {reason} event naming {node}")
 
     def wait_progress(self, past: int, *, what: str) -> dict[str, Any]:
         """Wait until the job runs at full size and made a step past ``past`` (or ended).
@@ -166,7 +171,7 @@ class Soak:
                  what=f"{node}'s runner and workers gone after its agent's SIGKILL")
         self.wait_event("node_lost", node, seq)
         self.cluster.start_agent(node)  # the operator's supervisor restarts it
-        self.wait_event("node_joined", node, seq)
+        self.wait_event("node_joined", node, seq, unless_ended=True)
         return True
 
     def _kill_runner(self, fault: Fault, seq: int) -> bool:
@@ -225,7 +230,8 @@ class Soak:
                 self.wait_event("node_lost", node, seq)
             finally:
                 self.cluster.signal_agent_group(node, signal.SIGCONT)
-            self.wait_event("node_joined", node, seq)  # it fenced itself and came back
+            # It fenced itself and came back.
+            self.wait_event("node_joined", node, seq, unless_ended=True)
             return True
         if target == "coordinator":
             name = self.cluster.leader() or self.rng.choice(COORDINATORS)
