@@ -37,9 +37,10 @@ MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
 # other tests may run on this machine at the same time.
 NODE = "runner-failures"
 
-# From assignment to FAILED: an agent pass (0.5 s), a runner's start without
-# torch (the check comes before it), the coordinator's next pass. Generous
-# for a loaded 2-core machine; it takes about 2 s unloaded.
+# From assignment (or a runner's death) to FAILED: the agent's next pass
+# (0.5 s; it checks the directories before any runner starts), then the
+# coordinator's. Measured 0.3-0.6 s under load; generous for a loaded 2-core
+# machine, and far below "for ever".
 FAIL_FAST_S = 20.0
 
 
