@@ -167,10 +167,9 @@ def report_setup_failure(spec: RunnerSpec, exc: JobSetupError) -> None:
     daemon report it instead.
     """
     from agent.spec import EXIT_FAILED, RunnerOutcome, write_outcome
-    from agent.supervise import RUNNER_RANK
     from rendezvous.client import create_client
     from rendezvous.errors import EtcdError
-    from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError, utcnow
+    from rendezvous.records import RUNNER_RANK, JobNodeState, JobNodeStatus, WorkerError, utcnow
 
     job = spec.assignment
     with _logged_oserror("the outcome file"):

@@ -30,15 +30,13 @@ from enum import Enum
 
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerOutcome
 from rendezvous.records import (
+    RUNNER_RANK,
     Assignment,
     JobNodeState,
     JobNodeStatus,
     RestartReason,
     WorkerError,
 )
-
-#: ``WorkerError.rank`` of a failure that is the node's runner's, not a worker's.
-RUNNER_RANK = -1
 
 
 class Action(str, Enum):

@@ -130,8 +130,14 @@ class RestartReason(str, Enum):
     MEMBERSHIP_CHANGED = "membership_changed"
 
 
+#: ``WorkerError.rank`` of a failure that is the node's runner's (it could not
+#: start the job, raised or was killed), not a worker's.
+RUNNER_RANK = -1
+
+
 class WorkerError(BaseModel):
-    """The root cause of a worker group failure."""
+    """The root cause of a worker group failure (``rank`` is ``RUNNER_RANK``
+    when the node's runner failed rather than a worker)."""
 
     model_config = ConfigDict(extra="forbid")
 

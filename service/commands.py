@@ -60,6 +60,7 @@ import click
 from pydantic import ValidationError
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
+from rendezvous.records import RUNNER_RANK
 from service.client import (
     ApiError,
     ClusterFile,
@@ -250,7 +251,10 @@ def _error_lines(view: JobView) -> list[str]:
     if err is None:
         return []
     how = f"signal {err.signal}" if err.signal else f"exit code {err.exit_code}"
-    lines = [f"rank {err.rank} failed with {how}" + (f": {err.message}" if err.message else "")]
+    if err.rank == RUNNER_RANK:  # the node's runner: its message says it all
+        lines = [err.message or f"the runner failed with {how}"]
+    else:
+        lines = [f"rank {err.rank} failed with {how}" + (f": {err.message}" if err.message else "")]
     if err.traceback:
         tail = err.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
         lines.append(f"last {len(tail)} line(s) of its traceback or stderr:")

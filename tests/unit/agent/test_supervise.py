@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from agent.spec import EXIT_CRASHED, EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerOutcome
-from agent.supervise import RUNNER_RANK, Action, after_exit, describe_exit, signal_name
-from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
+from agent.supervise import Action, after_exit, describe_exit, signal_name
+from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus, WorkerError
 
 JOB = Assignment(job_id="j", generation=2, command=["python", "t.py"], min_nodes=1,
                  max_nodes=2, max_restarts=2)
