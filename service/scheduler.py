@@ -160,6 +160,11 @@ class _Planner:
     def change(self, job_id: str) -> JobChange:
         if job_id not in self.changes:
             record = self.view.jobs[job_id].model_copy(deep=True)
+            # Any record written counts the generations its assignments hold, so
+            # that none is forgotten once they are deleted (see new_assignment).
+            record.next_generation = max(
+                record.next_generation, self.generation_floor.get(job_id, 1)
+            )
             self.changes[job_id] = JobChange(job_id, record)
         return self.changes[job_id]
 
@@ -189,10 +194,10 @@ class _Planner:
 
     def new_assignment(self, job_id: str) -> Assignment:
         record = self.change(job_id).record
-        # A pass cut half-way wrote some assignments but not the record's
-        # counter: never reuse their generations (an agent would take a changed
-        # assignment for the one it already runs).
-        generation = max(record.next_generation, self.generation_floor.get(job_id, 1))
+        # change() counted in the generations the job's assignments hold: never
+        # reuse one (an agent would take a changed assignment for the one it
+        # already ran).
+        generation = record.next_generation
         record.next_generation = generation + 1
         return assignment_for(record, generation)
 

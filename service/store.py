@@ -340,23 +340,28 @@ def job_ops(
     Cut by :func:`split_ops` when they do not fit one transaction.
 
     In the order that lets a write cut into several transactions converge
-    on the next pass: a job that ends gets its record first (so a cut never
-    leaves a finished job without assignments but not finished: the
-    scheduler would start it again); the scheduler then deletes the
-    leftovers. Any other change writes assignments first and the record
-    last: a cut leaves assignments the next pass keeps, and a record that
-    does not yet count their generations (the scheduler skips past them).
+    on the next pass and never hand out a generation twice: the events and
+    the record first, then the deletes, then the new assignments.
+
+    * The record counts every generation its assignments hold and every one
+      this change hands out (``next_generation``), so no assignment is ever
+      written, or deleted, before a stored record counts its generation.
+    * A cut after the record leaves assignments that the next pass sees as
+      they are: it deletes again what must go (the same rules pick the same
+      nodes) and places again what is missing (fresh generations; for a job
+      already placed in part, the workers do restart on the new membership).
+    * A job that ends has its record written first, so a cut never leaves a
+      finished job with no assignments but not finished (the scheduler would
+      start it again).
     """
     record_put = Put(keys.job(record.job_id), record.model_dump_json().encode())
-    ops: list[TxnOp] = [Delete(keys.assignment(node, record.job_id)) for node in delete]
-    ops += [
+    puts: list[TxnOp] = [
         Put(keys.assignment(node, record.job_id), a.model_dump_json().encode())
         for node, a in put.items()
     ]
+    deletes: list[TxnOp] = [Delete(keys.assignment(node, record.job_id)) for node in delete]
     event_puts: list[TxnOp] = [_event_put(keys, record.job_id, e) for e in events]
-    if record.phase.is_terminal():
-        return [record_put, *event_puts, *ops]
-    return [*ops, *event_puts, record_put]
+    return [*event_puts, record_put, *deletes, *puts]
 
 
 def encode_cursor(job: JobRecord) -> str:
