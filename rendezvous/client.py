@@ -76,9 +76,13 @@ _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Pings only while a call (a watch, a keep-alive) is open: etcd's server
+    # enforces PermitWithoutStream=false and answers pings on an idle
+    # connection with GOAWAY "too_many_pings", dropping it. An idle connection
+    # needs no liveness check: the next call's own deadline is the check.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
