@@ -2,7 +2,7 @@
 
 Each pass reads one consistent snapshot of etcd (:meth:`JobStore.snapshot`),
 asks the pure :func:`service.scheduler.plan` what to change, and writes each
-job's change in one transaction that etcd applies only if
+job's change in one transaction (or several, below) that etcd applies only if
 
 * this coordinator still leads (the election's fence: a deposed leader that
   wakes from a pause cannot write), and
@@ -15,9 +15,10 @@ of 300 nodes, large assignments) is written in several, each under the same
 two guards; the order of the writes (:meth:`JobStore.job_ops`) and the
 scheduler's generations make a pass cut half-way converge on the next one.
 
-One job's change that etcd refuses (a request too large, too many operations)
-never stops the pass: it is counted, noted on the job (an event and its
-``Scheduled`` condition), and the pass goes on with the other jobs; after
+One job's change that etcd refuses for what it is (a request too large, too
+many operations, a duplicate key), or that cannot be built, never stops the
+pass: it is counted, noted on the job (an event and its ``Scheduled``
+condition), and the pass goes on with the other jobs; after
 :data:`MAX_JOB_WRITE_FAILURES` passes in a row the job ends ``FAILED``
 (:func:`service.scheduler.abandon`). A pass that fails as a whole (etcd
 unavailable, a crash) is counted; after :data:`UNREADY_AFTER_FAILED_PASSES` in a
@@ -65,6 +66,23 @@ UNREADY_AFTER_FAILED_PASSES = 3
 _PASS_ERRORS: tuple[type[Exception], ...] = (
     NotLeaderError, EtcdUnavailableError, EtcdAuthError, EtcdNoSpaceError, LeaseExpiredError,
 )
+# What etcd (or gRPC) answers when a request itself cannot be applied, whoever
+# sends it: only these make an etcd error one job's.
+_REQUEST_REFUSALS = (
+    "request is too large",
+    "too many operations in txn request",
+    "duplicate key given in txn request",
+    "larger than max",  # gRPC: received message larger than max
+)
+
+
+def _is_job_error(exc: Exception) -> bool:
+    """Whether ``exc`` is about one job's change (its write, or building it), not etcd."""
+    if isinstance(exc, EtcdError):
+        return not isinstance(exc, _PASS_ERRORS) and any(
+            refusal in str(exc) for refusal in _REQUEST_REFUSALS
+        )
+    return True
 
 
 def _short(exc: BaseException) -> str:
@@ -261,9 +279,9 @@ class Reconciler:
                 change = abandon(snap.view, change.job_id, error, now)
             try:
                 done = self._apply(snap, change)
-            except _PASS_ERRORS:
-                raise
-            except Exception as exc:  # etcd refused this job's write, or it could not be built
+            except Exception as exc:
+                if not _is_job_error(exc):
+                    raise
                 self._job_write_failed(snap, change, exc, now)
                 continue
             if done:
@@ -294,9 +312,9 @@ class Reconciler:
                                       MAX_JOB_WRITE_FAILURES, now)
             try:
                 self._apply(snap, note)
-            except _PASS_ERRORS:
-                raise
             except Exception as note_exc:
+                if not _is_job_error(note_exc):
+                    raise
                 log.warning("job %s: could not note the failure either: %s", job_id, note_exc)
         if failures <= MAX_JOB_WRITE_FAILURES:
             self._wake.set()

@@ -14,6 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from rendezvous.client import Delete, Put
+from rendezvous.election import NotLeaderError
+from rendezvous.errors import EtcdError, EtcdNoSpaceError, EtcdUnavailableError
 from rendezvous.keys import Keys
 from service.models import (
     MAX_COMMAND_BYTES,
@@ -27,6 +29,7 @@ from service.models import (
     ScaleRequest,
     check_storable,
 )
+from service.reconciler import _is_job_error
 from service.scheduler import (
     MAX_NAMES_IN_MESSAGE,
     abandon,
@@ -281,3 +284,27 @@ def test_a_step_at_the_old_world_size_does_not_count_after_a_rescale() -> None:
     sim.report("j", "a", world_size=1, last_step=6)
     sim.step()
     assert condition(sim, "j", "Training")[0] is True
+
+
+# which failures are one job's ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "one_job"),
+    [
+        (EtcdError("etcd at x: transaction failed (INVALID_ARGUMENT): etcdserver: request is "
+                   "too large"), True),
+        (EtcdError("etcdserver: too many operations in txn request"), True),
+        (EtcdError("etcdserver: duplicate key given in txn request"), True),
+        (EtcdError("grpc: received message larger than max (2000000 vs. 1572864)"), True),
+        (ValueError("a record that cannot be built"), True),
+        (EtcdError("etcdserver: too many requests"), False),  # etcd overloaded: all jobs
+        (EtcdUnavailableError("did not answer within 5 s"), False),
+        (EtcdNoSpaceError("etcdserver: mvcc: database space exceeded"), False),
+        (NotLeaderError("deposed: request is too large"), False),
+    ],
+)
+def test_only_a_refusal_of_the_request_itself_is_one_jobs_failure(
+    exc: Exception, one_job: bool
+) -> None:
+    assert _is_job_error(exc) is one_job
