@@ -28,9 +28,11 @@ This module must not import torch: the agent daemon reads the files with it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -101,20 +103,108 @@ def _integer(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
-    """Every rank's progress report in ``progress_dir``, as dicts.
+#: checkpoints.progress.PROGRESS_FORMAT and the version it writes (that module
+#: imports torch, which the daemon never does; a unit test keeps them equal).
+PROGRESS_FORMAT = "tidal-progress"
+PROGRESS_VERSION = 1
+#: The most of a progress file read: a report is a few hundred bytes.
+PROGRESS_MAX_BYTES = 256 * 1024
 
-    Files that are missing, half-written or not JSON objects are skipped: the
-    workers write them atomically, but a rank may not have written one yet.
+_warned_lock = threading.Lock()
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(path: Path, reason: str) -> None:
+    """Log a bad progress file once per path and reason, not at every tick or scrape."""
+    key = (str(path), reason)
+    with _warned_lock:
+        if key in _warned:
+            return
+        if len(_warned) > 10_000:  # bounded: paths of finished jobs' generations
+            _warned.clear()
+        _warned.add(key)
+    log.warning("skipping the progress file %s: %s", path, reason)
+
+
+def read_progress_file(name: str, directory_fd: int, path: Path) -> dict[str, Any] | None:
+    """One rank's report, the file ``name`` in the open directory ``directory_fd``.
+
+    The directory belongs to the workers (with ``--worker-user``, to another
+    user), so the file is not trusted: it is opened without following a
+    symlink and without blocking (a FIFO), must be a regular file of at most
+    :data:`PROGRESS_MAX_BYTES`, and must hold a JSON object of
+    checkpoints.progress's format. Anything else is skipped with one warning
+    (``path`` names it there); a file gone meanwhile is skipped quietly.
     """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=directory_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        _warn_once(path, "a symbolic link" if exc.errno == errno.ELOOP else str(exc))
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            _warn_once(path, "not a regular file")
+            return None
+        if info.st_size > PROGRESS_MAX_BYTES:
+            _warn_once(path, f"larger than {PROGRESS_MAX_BYTES} bytes")
+            return None
+        chunks = []
+        left = PROGRESS_MAX_BYTES + 1  # it may have grown since fstat
+        while left > 0 and (chunk := os.read(fd, min(left, 65536))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            _warn_once(path, f"larger than {PROGRESS_MAX_BYTES} bytes")
+            return None
+        data = json.loads(b"".join(chunks))
+    except OSError as exc:
+        _warn_once(path, str(exc))
+        return None
+    except ValueError:  # the writer renames whole files into place
+        _warn_once(path, "not JSON")
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        _warn_once(path, "not a JSON object")
+        return None
+    if data.get("format") != PROGRESS_FORMAT or data.get("version") != PROGRESS_VERSION:
+        _warn_once(path, f"not a {PROGRESS_FORMAT} report of version {PROGRESS_VERSION}")
+        return None
+    return data
+
+
+def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's progress report (``rank-*.json``) in ``progress_dir``, as dicts.
+
+    A missing directory gives none; a file that is not a report is skipped
+    (:func:`read_progress_file`: both the runner's status thread and the
+    daemon's metrics read here, and the files are the workers'). The
+    directory itself is opened without following a symlink.
+    """
+    try:
+        directory_fd = os.open(progress_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                               | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        _warn_once(progress_dir, f"cannot open the directory: {exc}")
+        return []
     reports = []
-    for path in progress_dir.glob("rank-*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            reports.append(data)
+    try:
+        for name in sorted(os.listdir(directory_fd)):
+            if name.startswith("rank-") and name.endswith(".json"):
+                report = read_progress_file(name, directory_fd, progress_dir / name)
+                if report is not None:
+                    reports.append(report)
+    except OSError as exc:
+        _warn_once(progress_dir, f"cannot list the directory: {exc}")
+    finally:
+        os.close(directory_fd)
     return reports
 
 

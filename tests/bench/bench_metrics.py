@@ -99,6 +99,7 @@ def fill_run_dir(run_dir: Path, client: FakeEtcd, jobs: int) -> list[str]:
             write_runner_metrics(directory / "metrics.json", recorder.snapshot())
             for rank in range(3):
                 (directory / "progress" / f"rank-{rank}.json").write_text(json.dumps({
+                    "format": "tidal-progress", "version": 1,
                     "rank": rank, "restart_count": 0, "time": time.time(), "step": 100,
                     "loss": 0.5, "samples_per_second": 1000.0, "last_checkpoint_step": 100,
                     "last_checkpoint_time": time.time(), "last_save_seconds": 1.0,

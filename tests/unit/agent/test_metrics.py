@@ -58,7 +58,8 @@ def runner_file(run_dir: Path, generation: int, **counts: Any) -> None:
 def progress_file(run_dir: Path, generation: int, rank: int, **fields: Any) -> None:
     directory = generation_dir(run_dir, "j", generation) / "progress"
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, **fields}))
+    body = {"format": "tidal-progress", "version": 1, "rank": rank, **fields}
+    (directory / f"rank-{rank}.json").write_text(json.dumps(body))
 
 
 def make_registry(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from torch.distributed.elastic.metrics.api import NullMetricHandler
 
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.status import (
+    PROGRESS_FORMAT,
+    PROGRESS_MAX_BYTES,
+    PROGRESS_VERSION,
     RECOVERY_BUCKETS,
     HistogramData,
     RunnerMetricsRecorder,
@@ -23,6 +27,7 @@ from agent.status import (
     read_runner_metrics,
     summarize_progress,
 )
+from checkpoints import progress as progress_writer
 from checkpoints.progress import FileProgressReporter
 from rendezvous.records import JobNodeState, JobNodeStatus, RestartReason
 from tests.support.wait import wait_for
@@ -30,7 +35,8 @@ from tests.unit.agent.fakes import FakeEtcd
 
 
 def report(directory: Path, rank: int, **fields: Any) -> None:
-    body = {"rank": rank, "restart_count": 0, "time": 100.0, "step": None, **fields}
+    body = {"format": "tidal-progress", "version": 1, "rank": rank, "restart_count": 0,
+            "time": 100.0, "step": None, **fields}
     (directory / f"rank-{rank}.json").write_text(json.dumps(body))
 
 
@@ -79,6 +85,79 @@ def test_half_written_or_foreign_files_are_skipped(tmp_path: Path) -> None:
     assert [r["rank"] for r in reports] == [2]
     assert summarize_progress(reports).step is None
     assert read_progress(tmp_path) == {"last_step": None, "last_checkpoint_step": None}
+
+
+def test_the_reader_knows_the_writers_format(tmp_path: Path) -> None:
+    assert PROGRESS_FORMAT == progress_writer.PROGRESS_FORMAT
+    writer = FileProgressReporter(tmp_path, rank=3, world_size=4, restart_count=2)
+    writer.record(step=7, loss=0.5, samples=8)
+    writer.flush()
+    (written,) = read_progress_reports(tmp_path)
+    assert written["version"] == PROGRESS_VERSION
+    assert set(written) == set(progress_writer.PROGRESS_FIELDS)
+    assert (written["rank"], written["step"], written["restart_count"]) == (3, 7, 2)
+
+
+def test_reports_of_another_format_or_version_are_skipped(tmp_path: Path) -> None:
+    report(tmp_path, 0, step=5)
+    report(tmp_path, 1, step=6, format="something-else")
+    report(tmp_path, 2, step=7, version=2)
+    (tmp_path / "rank-3.json").write_text(json.dumps({"rank": 3, "step": 8}))
+    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+
+
+def test_a_symlinked_progress_file_is_not_followed_and_warned_about_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With --worker-user the directory is the worker's: a link to a root-only
+    file must not make the agent read it."""
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"format": "tidal-progress", "version": 1, "rank": 9,
+                                  "step": 99}))
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    report(progress, 0, step=5)
+    (progress / "rank-1.json").symlink_to(secret)
+    for _ in range(3):  # every tick or scrape reads again; one warning in all
+        assert [r["rank"] for r in read_progress_reports(progress)] == [0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"skipping the progress file {progress}/rank-1.json: a symbolic link"]
+
+
+def test_a_symlinked_progress_directory_is_not_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    report(elsewhere, 0, step=5)
+    (tmp_path / "progress").symlink_to(elsewhere)
+    assert read_progress_reports(tmp_path / "progress") == []
+    assert read_progress_reports(tmp_path / "missing") == []
+
+
+def test_a_fifo_is_skipped_without_blocking(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    os.mkfifo(tmp_path / "rank-1.json")  # nobody writes: a blocking open would hang
+    os.mkdir(tmp_path / "rank-2.json")
+    report(tmp_path, 0, step=5)
+    started = time.monotonic()
+    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+    assert time.monotonic() - started < 5
+    assert "rank-1.json: not a regular file" in caplog.text
+    assert "rank-2.json: not a regular file" in caplog.text
+
+
+def test_a_huge_progress_file_is_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = {"format": "tidal-progress", "version": 1, "rank": 1, "step": 3,
+            "pad": "x" * PROGRESS_MAX_BYTES}
+    (tmp_path / "rank-1.json").write_text(json.dumps(huge))
+    with open(tmp_path / "rank-2.json", "wb") as sparse:  # 1 TiB that takes no disk
+        sparse.truncate(1 << 40)
+    report(tmp_path, 0, step=5)
+    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+    assert f"rank-1.json: larger than {PROGRESS_MAX_BYTES} bytes" in caplog.text
+    assert f"rank-2.json: larger than {PROGRESS_MAX_BYTES} bytes" in caplog.text
 
 
 # histograms and the recorder ---------------------------------------------------------

@@ -71,6 +71,7 @@ def agent_registry(run_dir: Path) -> CollectorRegistry:
     directory = generation_dir(run_dir, "j", 1)
     (directory / "progress").mkdir(parents=True)
     (directory / "progress" / "rank-0.json").write_text(json.dumps({
+        "format": "tidal-progress", "version": 1,
         "rank": 0, "restart_count": 0, "time": 10.0, "step": 5, "loss": 1.0,
         "samples_per_second": 64.0, "last_checkpoint_step": 5, "last_checkpoint_time": 9.0,
         "last_save_seconds": 0.5, "last_stall_seconds": 0.01, "last_save_error": None,
