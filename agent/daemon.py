@@ -26,9 +26,13 @@ directory. A new node therefore joins a job as soon as its assignment arrives
 rather than after ``python`` + ``import torch`` (1.5 to 3 s), and a node
 that takes one job after another starts each at once. The next warm runner
 starts a while after one is taken (not at once: it would compete for the CPU
-with the job starting), and not while the node's slots are all in use; a
-runner being stopped frees its slots for this, and a runner stopped because
-its job got a new generation (new bounds) gets a warm successor at once.
+with the job starting). While the node's slots are all in use it is the
+spare that replaces a runner that dies (restarted on the job's budget): the
+job's workers start again in about a second, as after a worker's death,
+rather than after a cold runner's ``import torch``; none is kept there when
+no running job has restarts to spend (:func:`wants_warm_runner`). A runner
+being stopped frees its slots for this, and a runner stopped because its job
+got a new generation (new bounds) gets a warm successor at once.
 
 Runners are started from the main thread with the parent-death signal set, so
 a SIGKILLed daemon takes its runners, and they their workers, with it.
@@ -44,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +90,7 @@ log = logging.getLogger(__name__)
 class _Runner:
     assignment: Assignment
     process: subprocess.Popen[bytes]
+    log_path: Path  # runner.log, or runner-<pid>.log for a warm runner that replaced one
     stop_deadline: float | None = None  # set once SIGTERM was sent
 
 
@@ -97,6 +103,7 @@ class _Exited:
     code: int
     stopping: bool
     outcome: RunnerOutcome | None = None  # its own, or the daemon's when it never started
+    log_path: Path | None = None  # its log, if it started
 
 
 #: Bytes of a dead runner's log kept as its root cause's text.
@@ -323,6 +330,7 @@ class Agent:
                     runner.assignment, runner.process.pid, code,
                     stopping=runner.stop_deadline is not None,
                     outcome=read_outcome(self._job_dir(runner.assignment), runner.process.pid),
+                    log_path=runner.log_path,
                 )
             elif runner.stop_deadline is not None and now > runner.stop_deadline:
                 log.warning("runner of %s ignored SIGTERM; killing it", job_id)
@@ -346,11 +354,11 @@ class Agent:
                 reported = JobNodeStatus.model_validate_json(kv.value) if kv else None
             except ValidationError as exc:
                 log.error("ignoring the malformed status of %s: %s", job_id, exc)
-        job_dir = self._job_dir(assignment)
+        log_path = exited.log_path or self._job_dir(assignment) / "runner.log"
         aftermath = after_exit(
             assignment=assignment, node_id=self.settings.node_id, pid=exited.pid,
             code=exited.code, stopping=stopping, reported=reported, outcome=exited.outcome,
-            log_tail="" if stopping else _tail(job_dir / "runner.log", LOG_TAIL_BYTES),
+            log_tail="" if stopping else _tail(log_path, LOG_TAIL_BYTES),
         )
         if aftermath.status is not None:
             status = aftermath.status.model_copy(update={"updated_at": utcnow()})
@@ -415,9 +423,12 @@ class Agent:
         spec_path = job_dir / "runner-spec.json"
         with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(spec.model_dump_json())  # it may hold etcd credentials and job secrets
-        process = self._take_warm(assignment.job_id, spec_path, job_dir / "runner.log")
-        if process is None:
-            with open_private_log(job_dir / "runner.log") as log_file:
+        log_path = job_dir / "runner.log"
+        taken = self._take_warm(assignment.job_id, spec_path, log_path)
+        if taken is not None:
+            process, log_path = taken
+        else:
+            with open_private_log(log_path) as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "agent.runner_main", str(spec_path)],
                     stdin=subprocess.DEVNULL,
@@ -427,7 +438,7 @@ class Agent:
                     env=self._runner_env(assignment.job_id),
                 )
             log.info("started runner %d for job %s", process.pid, assignment.job_id)
-        self.state.runners[assignment.job_id] = _Runner(assignment, process)
+        self.state.runners[assignment.job_id] = _Runner(assignment, process, log_path)
 
     def _runner_env(self, job_id: str | None) -> dict[str, str]:
         """The runner's environment: marks it as this node's and job's; carries the
@@ -443,17 +454,15 @@ class Agent:
 
     # warm runners ----------------------------------------------------------------
 
-    def _free_slots(self) -> int:
-        """Slots not held by a runner, counting a stopping runner's as free."""
-        used = sum(
-            r.assignment.nproc_per_node
-            for r in self.state.runners.values()
-            if r.stop_deadline is None
+    def _wants_warm(self) -> bool:
+        return wants_warm_runner(
+            self.settings.slots,
+            [(r.assignment, r.stop_deadline is not None) for r in self.state.runners.values()],
         )
-        return self.settings.slots - used
 
     def _keep_warm(self) -> None:
-        """Start a warm runner if there is none, a slot is free and it is time."""
+        """Start a warm runner if there is none, one is wanted (:func:`wants_warm_runner`)
+        and it is time."""
         if not self.settings.warm_runner:
             return
         warm = self._warm
@@ -467,7 +476,7 @@ class Agent:
             self._warm_due = time.monotonic() + self._warm_retry_s
             self._warm_retry_s = min(self._warm_retry_s * 2, 300.0)
             return
-        if self._stop.is_set() or time.monotonic() < self._warm_due or self._free_slots() < 1:
+        if self._stop.is_set() or time.monotonic() < self._warm_due or not self._wants_warm():
             return
         warm_dir = self.settings.run_dir / "warm"
         warm_dir.mkdir(parents=True, exist_ok=True)
@@ -487,8 +496,11 @@ class Agent:
 
     def _take_warm(
         self, job_id: str, spec_path: Path, log_path: Path
-    ) -> subprocess.Popen[bytes] | None:
-        """Hand ``spec_path`` to the warm runner, if one is alive; it becomes the job's."""
+    ) -> tuple[subprocess.Popen[bytes], Path] | None:
+        """Hand ``spec_path`` to the warm runner, if one is alive; it becomes the job's.
+
+        Returns it and its log: ``log_path``, or beside it ``runner-<pid>.log``
+        where that is taken (by the runner it replaces)."""
         warm, self._warm = self._warm, None
         if warm is None:
             return None
@@ -513,7 +525,7 @@ class Agent:
             return None
         self._warm_retry_s = WARM_RETRY_S
         log.info("warm runner %d takes job %s (log: %s)", warm.process.pid, job_id, log_path)
-        return warm.process
+        return warm.process, log_path
 
     def _discard_warm(self) -> None:
         """Stop the warm runner: end-of-file on its stdin, SIGKILL if it lingers."""
@@ -549,6 +561,23 @@ class Agent:
     @staticmethod
     def stopped_on_request(code: int) -> bool:
         return code == EXIT_STOPPED
+
+
+def wants_warm_runner(slots: int, runners: Iterable[tuple[Assignment, bool]]) -> bool:
+    """Whether the node should keep a warm runner ready, given its runners.
+
+    ``runners``: each running runner's assignment, and whether it is being
+    stopped. One is kept for the next job while a slot is free, a stopping
+    runner's slots counting as free (its job's next generation will want a
+    runner as soon as it has left). While the slots are all in use, one is
+    kept as the spare that replaces a runner that dies (agent.supervise), as
+    long as a runner's job has restarts to spend: a SIGKILLed runner is then
+    replaced at once, not after ``python`` and ``import torch`` again.
+    """
+    running = [assignment for assignment, stopping in runners if not stopping]
+    if slots - sum(a.nproc_per_node for a in running) >= 1:
+        return True
+    return any(a.max_restarts > 0 for a in running)
 
 
 def _tail(path: Path, size: int) -> str:

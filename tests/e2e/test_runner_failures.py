@@ -6,13 +6,15 @@ Real etcd, a real coordinator, real agents and the real CLI:
   ends FAILED with "working directory ... does not exist" and the CLI exits 1;
 * a working directory that is a file: FAILED, "is not a directory";
 * a symlink out of the root made after submit: FAILED, nothing ran there;
-* ``kill -9`` of the runner: it is restarted (charged to the budget) and
-  training goes on; once the budget is spent, the job FAILS naming SIGKILL;
+* ``kill -9`` of the runner: it is restarted (charged to the budget) in the
+  warm runner kept beside the job, and training goes on; once the budget is
+  spent, the job FAILS naming SIGKILL;
 * a runner that raises: restarted on the budget, then FAILED with its traceback.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -27,7 +29,13 @@ import pytest
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
-from tests.support.agents import AgentCluster, assign, processes_of_node, statuses
+from tests.support.agents import (
+    AgentCluster,
+    assign,
+    is_idle_warm_runner,
+    processes_of_node,
+    statuses,
+)
 from tests.support.coordinator import TOKEN, CoordinatorProcess
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
@@ -155,6 +163,40 @@ def test_a_symlink_out_of_the_root_made_after_submit_is_refused_and_nothing_runs
     assert list(outside.iterdir()) == []
 
 
+def _progress(run_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """Rank 0's progress report of ``job_id``'s first generation on the node, if any."""
+    path = run_dir / "jobs" / job_id / "gen-1" / "progress" / "rank-0.json"
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report
+
+
+def _first_step_after(run_dir: Path, job_id: str, killed_at: float, old_worker: int) -> float:
+    """Seconds from ``killed_at`` (Unix time) to the first step of a new worker."""
+    report = wait_for(
+        lambda: (r := _progress(run_dir, job_id)) is not None and r["pid"] != old_worker
+        and r["first_step_time"] is not None and r,
+        timeout=120, what="a new worker's first step",
+    )
+    return float(report["first_step_time"]) - killed_at
+
+
+def _ready_warm_runner(run_dir: Path, node: str) -> int | None:
+    """The pid of the node's warm runner once it waits for a job, torch imported."""
+    for pid in processes_of_node(node, warm=True):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if is_idle_warm_runner(argv):
+            ready = f"warm runner {pid} ready for a job"
+            logs = (run_dir / "warm").glob("runner-*.log")
+            return pid if any(ready in p.read_text(errors="replace") for p in logs) else None
+    return None
+
+
 def _runner_pid(client: EtcdClient, job_id: str, node: str, *, not_pid: int = 0) -> int | None:
     status = statuses(client, job_id).get(node)
     if status is None or status.state.value != "running" or status.pid in (0, not_pid):
@@ -181,8 +223,15 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     wait_for(lambda: step() >= 3, timeout=120, what="3 steps")
     first = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE), timeout=30,
                      what="the runner's pid in its status")
+    # The node's only slot is in use, yet a warm runner waits beside the job:
+    # the spare that replaces its runner if it dies.
+    spare = wait_for(lambda: _ready_warm_runner(tmp_path / NODE, NODE), timeout=90,
+                     what="a warm runner ready beside the job")
+    worker = wait_for(lambda: _progress(tmp_path / NODE, job_id), timeout=30,
+                      what="a progress report")["pid"]
     os.kill(first, signal.SIGKILL)
     killed = time.monotonic()
+    killed_at = time.time()
     # Restarted, charged: one worker_failed restart, the budget down to 0.
     status = wait_for(
         lambda: (s := statuses(etcd_client, job_id).get(NODE)) is not None
@@ -194,6 +243,8 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     assert f"the runner (pid {first}) was killed by SIGKILL" in status.error.message
     second = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE, not_pid=first),
                       timeout=60, what="a new runner running")
+    assert second == spare, "the runner was replaced by a cold one, not the warm spare"
+    recovered = _first_step_after(tmp_path / NODE, job_id, killed_at, worker)
     before = step()
     wait_for(lambda: step() > before, timeout=60, what="training going on")
     view = _view(api, job_id)
@@ -207,8 +258,8 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     failed_after = time.monotonic() - killed
     assert f"the runner (pid {second}) was killed by SIGKILL" in view["error"]["message"]
     wait_for(lambda: not processes_of_node(NODE), timeout=15, what="no worker left on the node")
-    print(f"runner death charged after {noticed:.2f} s; job FAILED {failed_after:.2f} s "
-          "after the second kill")
+    print(f"runner death charged after {noticed:.2f} s; first new step {recovered:.2f} s "
+          f"after the kill; job FAILED {failed_after:.2f} s after the second kill")
 
 
 @pytest.mark.timeout(180)

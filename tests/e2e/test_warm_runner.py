@@ -106,14 +106,15 @@ def test_a_new_generation_of_a_running_job_starts_in_a_warm_runner(
 ):
     """New bounds (a PATCH) give the job a new generation: the node's runner
     stops, and the next one was started while it stopped, though the only
-    slot was in use until then."""
+    slot was in use until then (by a job with no restarts to spend, so no
+    warm runner waited beside it as a spare)."""
     cluster = _cluster(tmp_path, etcd_server, etcd_root, procs)
     cluster.start_agent("a")
     job = Assignment(
         job_id="gens",
         command=[sys.executable, str(ELASTIC_DDP), "--checkpoint", str(tmp_path / "ckpt.pt"),
                  "--step-seconds", "0.1"],
-        min_nodes=1, max_nodes=1, grace_period_s=5,
+        min_nodes=1, max_nodes=1, grace_period_s=5, max_restarts=0,
     )
 
     def running(generation: int) -> bool:
