@@ -222,7 +222,8 @@ def test_the_daemon_counts_a_new_generation_of_a_running_job_as_scaled(tmp_path:
     first = Assignment(job_id="j", generation=1, command=["true"], min_nodes=1, max_nodes=2)
     other = Assignment(job_id="k", generation=1, command=["true"], min_nodes=1, max_nodes=2)
     for assignment in (first, other):
-        agent.state.runners[assignment.job_id] = _Runner(assignment, FakeProcess())  # type: ignore[arg-type]
+        agent.state.runners[assignment.job_id] = _Runner(
+            assignment, FakeProcess(), tmp_path / "runner.log")  # type: ignore[arg-type]
     rebound = first.model_copy(update={"generation": 2, "max_nodes": 3})
     agent.reconcile({"j": rebound})  # j: new bounds, new generation; k: unassigned
     agent.reconcile({"j": rebound})  # the old runner is still stopping: counted once
