@@ -57,7 +57,7 @@ from service.models import (
     check_storable,
     new_job_id,
 )
-from service.scheduler import statuses_in_force
+from service.scheduler import CHARGED_REASON, restart_charges, statuses_in_force
 from service.store import ConflictError, JobNotFoundError, JobStore, decode_cursor, encode_cursor
 
 log = logging.getLogger(__name__)
@@ -220,11 +220,10 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     ckpts = [st.last_checkpoint_step for st in statuses.values()
              if st.last_checkpoint_step is not None]
     restarts = dict(record.restarts)
-    worker_failed = max(
-        (st.restart_reasons.get("worker_failed", 0) for st in current.values()), default=0
-    )
-    if worker_failed:
-        restarts["worker_failed"] = restarts.get("worker_failed", 0) + worker_failed
+    # What the agents charged since the scheduler last counted it into the record.
+    _, rises = restart_charges(record.charged, record.nodes, current)
+    for charge in rises:
+        restarts[CHARGED_REASON] = restarts.get(CHARGED_REASON, 0) + charge.count - charge.before
     nodes = [
         NodeInJob(
             node_id=node,

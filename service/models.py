@@ -138,6 +138,8 @@ class EventReason(str, Enum):
     WRITE_FAILED = "write_failed"  # etcd refused the job's change; see ExitReason.UNSCHEDULABLE
     TRAINING_STARTED = "training_started"  # a worker of the current generation reported a step
     WAITING_FOR_FIRST_STEP = "waiting_for_first_step"
+    # a worker or the runner failed on a node and a restart was charged to its budget
+    RESTART_CHARGED = "restart_charged"
 
 
 ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]
@@ -306,12 +308,29 @@ class Condition(BaseModel):
     last_transition_time: datetime
 
 
+class ChargedRestarts(BaseModel):
+    """The budget-charged restarts one node's status reported for its assignment's
+    generation, as far as the coordinator folded them into the job's ``restarts``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation: int = Field(ge=1)
+    worker_failed: int = Field(default=0, ge=0)
+
+
 class JobRecord(BaseModel):
     """What etcd holds at ``jobs/<id>``. Written by the coordinator only.
 
     ``next_generation`` numbers the job's assignments: every assignment the
     coordinator writes gets a fresh one, so an agent never confuses a new
     assignment with one it already ran.
+
+    ``restarts`` counts the job's restarts by reason over its whole life. The
+    agents count the ``worker_failed`` ones in their status, per node and
+    generation; ``charged`` says how many of those each node's current
+    generation has already added to ``restarts``, so that every charged restart
+    is counted (and given an event) once, whichever coordinator sees it and
+    however often a node leaves and rejoins.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -334,6 +353,9 @@ class JobRecord(BaseModel):
     next_generation: int = 1
     next_event: int = 0
     restarts: dict[str, int] = Field(default_factory=dict)
+    charged: dict[str, ChargedRestarts] = Field(
+        default_factory=dict, description="node -> restarts of its generation in `restarts`"
+    )
 
     def condition_differs(self, type_: str, status: bool, reason: str) -> bool:
         """Whether :meth:`set_condition` with these values would change anything."""

@@ -24,6 +24,10 @@ The rules, level-triggered (the same view always gives the same plan):
   membership just changed is ``RESCALING`` until every node reports running
   at the new size, then ``RUNNING``; its ``Training`` condition turns true
   when a worker of the current generation reports a step;
+* a restart an agent charged to a node's budget (``worker_failed`` in its
+  status) is added to the job's ``restarts`` and gets a ``restart_charged``
+  event, once: the record keeps how many of each node's current generation it
+  counted (:func:`restart_charges`);
 * every assignment gets a generation above any the job's record or its
   assignments hold, so a pass cut half-way through a split write (see
   :mod:`service.reconciler`) never hands out one twice.
@@ -40,9 +44,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
+from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus
 from rendezvous.registry import NodeInfo
 from service.models import (
+    ChargedRestarts,
     ConditionType,
     EventReason,
     ExitReason,
@@ -118,6 +123,65 @@ def current_statuses(
 ) -> dict[str, JobNodeStatus]:
     """:func:`statuses_in_force` for a node -> :class:`Assignment` map."""
     return statuses_in_force({n: a.generation for n, a in assigned.items()}, statuses)
+
+
+#: The restart reason whose restarts the agents charge to a node's budget.
+CHARGED_REASON = "worker_failed"
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A rise of one node's charged restart count that the job's record has not counted."""
+
+    node_id: str
+    before: int  # what the record had counted of this node's generation
+    status: JobNodeStatus  # the report now: ``restart_reasons[CHARGED_REASON]`` above ``before``
+
+    @property
+    def count(self) -> int:
+        return self.status.restart_reasons.get(CHARGED_REASON, 0)
+
+    @property
+    def restarts(self) -> int:
+        """The restarts of the rise that restarted the node's workers (the last
+        charge of a node whose budget is spent ended it instead)."""
+        rise = self.count - self.before
+        return rise - 1 if self.status.state == JobNodeState.FAILED else rise
+
+
+def restart_charges(
+    charged: Mapping[str, ChargedRestarts],
+    generations: Mapping[str, int],
+    statuses: Mapping[str, JobNodeStatus],
+) -> tuple[dict[str, ChargedRestarts], list[Charge]]:
+    """Fold the charged restarts the nodes report into what a job's record counted.
+
+    An agent counts a node's charged restarts per assignment generation: a node
+    that leaves and rejoins starts again from 0. The record keeps, per node, the
+    generation and the count it has already added to the job's ``restarts``; a
+    report of that generation adds only its rise, one of a new generation all of
+    its count. Entries of nodes no longer assigned at that generation are dropped.
+
+    Args:
+        charged: the record's ``charged``.
+        generations: node -> generation of the job's assignment there (in force).
+        statuses: node -> what that node's agent reported for the job.
+
+    Returns:
+        The new ``charged``, and the rises not yet counted (sorted by node).
+    """
+    folded = {
+        node: seen for node, seen in charged.items() if generations.get(node) == seen.generation
+    }
+    rises: list[Charge] = []
+    for node, st in sorted(statuses_in_force(generations, dict(statuses)).items()):
+        count = st.restart_reasons.get(CHARGED_REASON, 0)
+        seen = folded.get(node)
+        before = seen.worker_failed if seen is not None else 0
+        if count > before:
+            rises.append(Charge(node, before, st))
+            folded[node] = ChargedRestarts(generation=st.generation, worker_failed=count)
+    return folded, rises
 
 
 #: Nodes a message lists by name; the rest are counted ("and 280 more").
@@ -228,6 +292,7 @@ class _Planner:
                 if assigned:  # a leftover of an interrupted write: finish the job's exit
                     self.change(record.job_id).delete.extend(sorted(assigned))
                 continue
+            self._count_charges(record, assigned)
             if self._finish_if_done(record, assigned):
                 continue
             self._keep_usable(record, assigned)
@@ -253,6 +318,34 @@ class _Planner:
             change.record != self.view.jobs[change.job_id]
         )
 
+    def _count_charges(self, record: JobRecord, assigned: dict[str, Assignment]) -> None:
+        """Add the restarts the agents charged since the last pass to the job's
+        ``restarts``, with one ``restart_charged`` event per node whose count rose."""
+        job_id = record.job_id
+        generations = {n: a.generation for n, a in assigned.items()}
+        folded, rises = restart_charges(
+            record.charged, generations, self.view.statuses.get(job_id, {})
+        )
+        if folded == record.charged:
+            return
+        change = self.change(job_id)
+        change.record.charged = folded
+        restarts = change.record.restarts
+        for charge in rises:
+            restarts[CHARGED_REASON] = (
+                restarts.get(CHARGED_REASON, 0) + charge.count - charge.before
+            )
+            if charge.restarts <= 0:
+                continue  # the node's budget is spent: the job's end says why
+            st = charge.status
+            error = st.error
+            who = "the runner" if error is not None and error.rank == RUNNER_RANK else "a worker"
+            message = (f"{who} failed on {charge.node_id}; restart {charge.count} charged to "
+                       f"its budget ({st.remaining_restarts} left)")
+            if error is not None and error.message:
+                message += f": {_clip(error.message)}"
+            self.event(job_id, EventReason.RESTART_CHARGED, message, [charge.node_id])
+
     def _finish_if_done(self, record: JobRecord, assigned: dict[str, Assignment]) -> bool:
         job_id = record.job_id
         reports = current_statuses(assigned, self.view.statuses.get(job_id, {}))
@@ -268,20 +361,10 @@ class _Planner:
                 return False
             first = min(failed, key=lambda st: st.updated_at)
             self.change(job_id).record.error = first.error
-            detail = f": exit code {first.error.exit_code}" if first.error else ""
             outcome = (JobPhase.FAILED, ExitReason.WORKER_FAILED, EventReason.WORKER_FAILED,
-                       f"a worker failed on {first.node_id} and the restart budget is spent"
-                       f"{detail}")
+                       failure_message(first))
         phase, exit_reason, reason, message = outcome
         change = self.change(job_id)
-        # The agents' failure restarts count toward the job only while its nodes
-        # are in force (service.app.job_view); keep them once it ends.
-        failed_restarts = max(
-            (st.restart_reasons.get("worker_failed", 0) for st in reports.values()), default=0
-        )
-        if failed_restarts:
-            restarts = change.record.restarts
-            restarts["worker_failed"] = restarts.get("worker_failed", 0) + failed_restarts
         change.record.exit_reason = exit_reason
         change.record.set_condition("Finished", True, reason.value, message, now=self.now)
         change.record.set_condition("Running", False, reason.value, message, now=self.now)
@@ -495,6 +578,19 @@ def plan(view: ClusterView, now: datetime) -> list[JobChange]:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_TEXT else text[:MAX_ERROR_TEXT] + "..."
+
+
+def failure_message(status: JobNodeStatus) -> str:
+    """The event of a job that failed because of ``status``'s node.
+
+    A runner's failure (it could not start the job, raised or was killed) is
+    quoted as its message: it names the cause, which an exit code would not.
+    """
+    error = status.error
+    if error is not None and error.rank == RUNNER_RANK and error.message:
+        return f"the job failed on {status.node_id}: {_clip(error.message)}"
+    detail = f": exit code {error.exit_code}" if error is not None else ""
+    return f"a worker failed on {status.node_id} and the restart budget is spent{detail}"
 
 
 def note_write_failure(

@@ -176,11 +176,14 @@ class Sim:
         error: WorkerError | None = None,
         at: int = 0,
         last_step: int | None = None,
+        charged: int = 0,
+        remaining_restarts: int = 0,
     ) -> None:
         """``node_id``'s agent reports ``state`` for its assignment of ``job_id``.
 
         Unless given, the generation is the assignment's and the world size the
-        job's current one (assigned nodes times processes per node).
+        job's current one (assigned nodes times processes per node). ``charged``:
+        the restarts the agent charged to the node's budget in this generation.
         """
         if generation is None:
             generation = self.view.assignments[job_id][node_id].generation
@@ -189,7 +192,9 @@ class Sim:
         status = JobNodeStatus(
             job_id=job_id, node_id=node_id, generation=generation, state=state,
             world_size=world_size, error=error, updated_at=self.clock + timedelta(seconds=at),
-            last_step=last_step,
+            last_step=last_step, remaining_restarts=remaining_restarts,
+            restart_count=charged,
+            restart_reasons={"worker_failed": charged} if charged else {},
         )
         statuses = {job: dict(per_node) for job, per_node in self.view.statuses.items()}
         statuses.setdefault(job_id, {})[node_id] = status
