@@ -44,6 +44,11 @@ def _assignment(etcd_client: EtcdClient, job_id: str) -> Assignment | None:
     return Assignment.model_validate_json(kv.value) if kv is not None else None
 
 
+def _generation(etcd_client: EtcdClient, job_id: str) -> int | None:
+    assignment = _assignment(etcd_client, job_id)
+    return assignment.generation if assignment is not None else None
+
+
 def _report(etcd_client: EtcdClient, job_id: str, generation: int, charged: int) -> None:
     error = WorkerError(rank=RUNNER_RANK, exit_code=-9, signal="SIGKILL",
                         message=f"the runner (pid {100 + charged}) was killed by SIGKILL")
@@ -71,7 +76,7 @@ def _restarts(api: httpx.Client, job_id: str) -> int:
 def test_charged_restarts_add_up_over_a_rejoin_with_one_event_each_across_a_failover(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
     procs: ProcessGroupRegistry, node: list[NodeRegistration],
-):
+) -> None:
     def coordinator() -> CoordinatorProcess:
         return CoordinatorProcess(etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root,
                                   workdir=tmp_path, procs=procs).start()
@@ -83,10 +88,10 @@ def test_charged_restarts_add_up_over_a_rejoin_with_one_event_each_across_a_fail
             response = api.post("/v1/jobs", json=job_spec(max_restarts=10))
             assert response.status_code == 201, response.text
             job_id = str(response.json()["job_id"])
-            a = wait_for(lambda: _assignment(etcd_client, job_id), timeout=20,
-                         what="the assignment")
-            _report(etcd_client, job_id, a.generation, 1)
-            _report(etcd_client, job_id, a.generation, 2)
+            a: int = wait_for(lambda: _generation(etcd_client, job_id), timeout=20,
+                              what="the assignment")
+            _report(etcd_client, job_id, a, 1)
+            _report(etcd_client, job_id, a, 2)
             wait_for(lambda: len(_charged(api, job_id)) >= 1 and _restarts(api, job_id) == 2,
                      timeout=20, what="the charges counted")
             # The node leaves (its lease ends) and comes back: a new generation,
@@ -95,23 +100,27 @@ def test_charged_restarts_add_up_over_a_rejoin_with_one_event_each_across_a_fail
             wait_for(lambda: _assignment(etcd_client, job_id) is None, timeout=20,
                      what="the lost node's assignment deleted")
             _register(etcd_client, node)
-            b = wait_for(lambda: _assignment(etcd_client, job_id), timeout=20,
-                         what="a new assignment")
-            assert b.generation > a.generation
+            b: int = wait_for(lambda: _generation(etcd_client, job_id), timeout=20,
+                              what="a new assignment")
+            assert b > a
         first.kill()
         second = coordinator()  # a new coordinator, with nothing in memory
         wait_for(second.is_leader, timeout=60, what="the new coordinator leading")
         with second.client() as api:
-            _report(etcd_client, job_id, b.generation, 1)
-            events = wait_for(lambda: (e := _charged(api, job_id)) and e[-1]["message"].endswith(
-                "(pid 101) was killed by SIGKILL") and len(e) >= 2 and e, timeout=20,
-                what="the rejoined node's charge told")
+            _report(etcd_client, job_id, b, 1)
+
+            def told() -> list[dict[str, Any]] | None:
+                e = _charged(api, job_id)
+                done = len(e) >= 2 and e[-1]["message"].endswith("(pid 101) was killed by SIGKILL")
+                return e if done else None
+
+            events = wait_for(told, timeout=20, what="the rejoined node's charge told")
             assert _restarts(api, job_id) == 3
             assert all(e["nodes"] == [NODE] for e in events)
             assert events[-1]["message"].startswith(
                 f"the runner failed on {NODE}; restart 1 charged to its budget (9 left)")
             # Once told, never again: one more charge gives one more event.
-            _report(etcd_client, job_id, b.generation, 2)
+            _report(etcd_client, job_id, b, 2)
             wait_for(lambda: _restarts(api, job_id) == 4 and len(_charged(api, job_id)) == len(
                 events) + 1, timeout=20, what="the next charge")
     except BaseException:
