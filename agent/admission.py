@@ -169,6 +169,22 @@ def decide(assignment: Assignment, node_id: str, record: bytes | None) -> Admiss
     return ADMIT
 
 
+def record_nodes(job_id: str, record: bytes | None) -> dict[str, int]:
+    """The nodes ``job_id``'s record (``jobs/<job>``) places it on, each with its generation.
+
+    What the coordinator assigns, as opposed to the ``assignments/`` keys,
+    which anyone who can write to etcd could add. None for a missing record,
+    one that is not a job record, or one of another job.
+    """
+    if record is None:
+        return {}
+    try:
+        view = JobRecordView.model_validate_json(record)
+    except ValidationError:
+        return {}
+    return dict(view.nodes) if view.job_id == job_id else {}
+
+
 @dataclass
 class _Seen:
     """What the gate decided for one revision of one assignment key."""

@@ -43,6 +43,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from agent.admission import record_nodes
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
@@ -68,14 +69,19 @@ ZYGOTE_READY_TIMEOUT_S = 60.0
 
 
 def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
-    """The registered nodes the coordinator assigned ``job_id`` to: whom a round waits for."""
-    prefix = keys.assignments_prefix()
-    kvs, _ = client.get_prefix(prefix)
-    assigned = set()
-    for kv in kvs:
-        node, _, job = kv.key[len(prefix):].partition("/")
-        if job == job_id:
-            assigned.add(node)
+    """The registered nodes the coordinator assigned ``job_id`` to: whom a round waits for.
+
+    They are read from the job's record (``jobs/<job>``, which only the
+    coordinator writes; :func:`agent.admission.record_nodes`), not from the
+    ``assignments/`` keys: an assignment written by anyone else on another
+    node (one its agent never runs) would make every round wait
+    ``assigned_wait`` for a node that never joins. The record names a node as
+    soon as the coordinator places the job there, at the generation its
+    assignment is to hold, even when a large job's assignments are written
+    after it.
+    """
+    record = client.get(keys.job(job_id))
+    assigned = set(record_nodes(job_id, None if record is None else record.value))
     if not assigned:
         return assigned
     live, _ = client.get_prefix(keys.nodes_prefix())

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rendezvous.client import EtcdClient, Put
+from rendezvous.client import Delete, EtcdClient, Put
 from rendezvous.records import Assignment, JobNodeStatus
 from tests.support.processes import ProcessGroupRegistry
 
@@ -153,7 +153,16 @@ def assign_by_hand(client: EtcdClient, node_id: str, assignment: Assignment) -> 
 
 
 def unassign(client: EtcdClient, node_id: str, job_id: str) -> None:
-    client.delete(client.keys.assignment(node_id, job_id))
+    """Take a job off a node as the coordinator does: the assignment, and the
+    node from the job's record (a round waits for the nodes the record names)."""
+    job_key = client.keys.job(job_id)
+    old = client.get(job_key)
+    ops: list[Put | Delete] = [Delete(client.keys.assignment(node_id, job_id))]
+    if old is not None:
+        record = json.loads(old.value)
+        record.get("nodes", {}).pop(node_id, None)
+        ops.append(Put(job_key, json.dumps(record).encode()))
+    client.txn([], ops)
 
 
 def statuses(client: EtcdClient, job_id: str) -> dict[str, JobNodeStatus]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent.admission import AssignmentGate, decide
+from agent.admission import AssignmentGate, decide, record_nodes
 from rendezvous.client import KeyValue
 from rendezvous.errors import EtcdUnavailableError
 from rendezvous.keys import Keys
@@ -109,6 +109,14 @@ def test_a_record_that_is_not_a_job_record_or_another_jobs_is_ignored() -> None:
     assert decide(assignment, "n1", _raw(other)).reason == (
         "the record at job train-1a2b's key is job other-1's"
     )
+
+
+def test_the_nodes_a_job_is_placed_on_come_from_its_record_only() -> None:
+    record = _record()
+    assert record_nodes("train-1a2b", _raw(record)) == {"n1": 4, "n2": 6}
+    assert record_nodes("train-1a2b", None) == {}
+    assert record_nodes("train-1a2b", b"{not json") == {}
+    assert record_nodes("other-1", _raw(record)) == {}  # another job's record at this key
 
 
 class _Client:
