@@ -25,14 +25,17 @@ class FaultKind(str, Enum):
 
 
 #: The job events a fault must produce, by kind (for STOP: when an agent was
-#: stopped past its lease). The others leave no job event by design: a worker's
-#: failure is counted in the nodes' status (``restart_reasons.worker_failed``,
-#: the job's ``restarts``); a coordinator's or an etcd member's death must
+#: stopped past its lease). A killed worker or runner is a restart charged to its
+#: node's budget: a ``restart_charged`` event naming the node (unless the node
+#: left the job instead, which node_lost/node_joined events tell). The others
+#: leave no job event by design: a coordinator's or an etcd member's death must
 #: leave the job alone, so for those the soak checks that *no* node_lost event
 #: appeared (no node falsely declared lost).
 EVENT_OF: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.KILL_AGENT: ("node_lost", "node_joined"),
     FaultKind.STOP: ("node_lost", "node_joined"),
+    FaultKind.KILL_RUNNER: ("restart_charged",),
+    FaultKind.KILL_WORKER: ("restart_charged",),
 }
 
 

@@ -4,8 +4,9 @@
 while the job trains, restarts what an operator's supervisor would restart,
 waits (with deadlines) until the job has made a step past the one it was at,
 and checks that the fault left its mark: the job events it must produce
-(:data:`~tests.chaos.plan.EVENT_OF`), or for faults that produce none, the
-restart counts, the new leader, and no node falsely declared lost.
+(:data:`~tests.chaos.plan.EVENT_OF`; a killed worker or runner also in its
+node's restart count), or for faults that produce none, the new leader and no
+node falsely declared lost.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import time
 from typing import Any
 
+from rendezvous.records import JobNodeStatus
 from tests.chaos.cluster import COORDINATORS, ELECTION_TTL_S, NODES, ChaosCluster, process_table
 from tests.chaos.plan import FaultKind
 from tests.chaos.report import Fault, Tally
@@ -39,7 +41,8 @@ class Soak:
         self.tally = tally
         self.t0 = time.monotonic()
         self.problems: list[str] = []  # faults that left no trace where they must
-        self._victim: tuple[str, tuple[int, int]] = ("", (0, 0))  # node, (generation, restarts)
+        # node, (generation, restarts, charged restarts)
+        self._victim: tuple[str, tuple[int, int, int]] = ("", (0, 0, 0))
 
     # reading the job -------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class Soak:
         }[kind]
         expects_node_events = handler(fault, seq)
         if kind in (FaultKind.KILL_WORKER, FaultKind.KILL_RUNNER):
-            self._wait_restart_reported(fault)
+            self._wait_restart_reported(fault, seq)
         after = self.wait_progress(fault.step, what=f"{kind.value} {fault.target}")
         fault.recovery_s = round(time.monotonic() - started, 1)
         fault.job_restarts = dict(after["restarts"])
@@ -134,29 +137,37 @@ class Soak:
                  fault.target, fault.step, fault.recovery_s, fault.events, fault.accounted)
         return fault
 
-    def _wait_restart_reported(self, fault: Fault) -> None:
-        """A killed worker or runner must show in its node's status: a restart counted
-        (the job's ``restarts``), or a new generation. No job event is written for it."""
-        node, (generation, count) = self._victim
+    def _wait_restart_reported(self, fault: Fault, seq: int) -> None:
+        """A killed worker or runner must show in its node's status: a restart counted,
+        or a new generation. A restart charged to the node's budget (``worker_failed``)
+        must also show in the job's events: a ``restart_charged`` event naming the node."""
+        node, (generation, count, charged) = self._victim
         try:
-            def reported() -> str | None:
+            def reported() -> JobNodeStatus | None:
                 st = self.cluster.node_status(self.job_id, node)
                 if st is None or (st.generation, st.restart_count) == (generation, count):
                     return None
-                return (f"{node}'s status: generation {generation} -> {st.generation}, "
-                        f"restart_count {count} -> {st.restart_count} "
-                        f"({st.last_restart_reason.value if st.last_restart_reason else '-'})")
+                return st
 
-            fault.accounted = str(wait_for(reported, timeout=EVENT_TIMEOUT_S, interval=0.1,
-                                           what=f"{node}'s status to count a restart"))
+            st: JobNodeStatus = wait_for(reported, timeout=EVENT_TIMEOUT_S, interval=0.1,
+                                         what=f"{node}'s status to count a restart")
+            fault.accounted = (
+                f"{node}'s status: generation {generation} -> {st.generation}, "
+                f"restart_count {count} -> {st.restart_count} "
+                f"({st.last_restart_reason.value if st.last_restart_reason else '-'})")
             fault.restarted = True
+            if (st.generation == generation
+                    and st.restart_reasons.get("worker_failed", 0) > charged):
+                self.wait_event("restart_charged", node, seq, unless_ended=True)
+                fault.accounted += "; a restart_charged event"
         except TimeoutError as exc:
             self.problems.append(f"{fault.kind.value} {fault.target} (at {fault.at_s} s) left "
                                  f"no trace: {exc}")
 
     def _mark_victim(self, node: str) -> None:
         st = self.cluster.node_status(self.job_id, node)
-        self._victim = (node, (st.generation, st.restart_count) if st else (0, 0))
+        self._victim = (node, (st.generation, st.restart_count,
+                               st.restart_reasons.get("worker_failed", 0)) if st else (0, 0, 0))
 
     # the kinds ------------------------------------------------------------------------------
 

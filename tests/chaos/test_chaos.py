@@ -14,8 +14,9 @@ nodes and past the step it was at, then for a few more steps.
 
 At the end: the job SUCCEEDED with the parameters of the same script run
 uninterrupted under plain torchrun; each fault that must produce job events
-did (tests/chaos/plan.py, ``EVENT_OF``), the others left their trace in the
-restart counts or the leadership and declared no node falsely lost; and no
+did (tests/chaos/plan.py, ``EVENT_OF``: a killed worker or runner a
+``restart_charged`` event naming its node), the others left their trace in the
+leadership and declared no node falsely lost; and no
 process the test started, or that they started, is left.
 
 ``TIDAL_CHAOS_SECONDS`` (default 40, what `make test` runs) is how long faults
