@@ -239,7 +239,9 @@ def _per_job(snap: Snapshot | None) -> list[Metric]:
             job_min.add_metric([job_id], record.spec.min_nodes)
             job_max.add_metric([job_id], record.spec.max_nodes)
             restarts = dict.fromkeys((r.value for r in JOB_RESTART_REASONS), 0)
-            restarts.update(record.restarts)
+            # Not the agents' charged restarts the record also counts (worker_failed):
+            # the agents export those (tidal_agent_job_restarts_total).
+            restarts.update((k, v) for k, v in record.restarts.items() if k in restarts)
             for reason, count in sorted(restarts.items()):
                 job_restarts.add_metric([job_id, reason], count)
     return [job_phase, job_nodes, job_min, job_max, job_restarts]

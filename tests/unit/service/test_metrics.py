@@ -121,3 +121,14 @@ def test_a_finished_job_has_no_per_job_series() -> None:
     assert cluster.sample("tidal_coordinator_job_nodes", job_id="j") is None
     assert cluster.sample("tidal_coordinator_job_restarts_total", job_id="j",
                           reason="node_lost") is None
+
+
+def test_the_agents_charged_restarts_are_left_to_the_agents_metrics() -> None:
+    cluster = Cluster("n1", "n2", "n3")
+    running_job(cluster)
+    cluster.sim.report("j", "n1", charged=1, remaining_restarts=2)
+    cluster.sim.step()
+    assert cluster.sim.job("j").restarts["worker_failed"] == 1  # the record counts them
+    cluster.snapshot()
+    assert cluster.sample("tidal_coordinator_job_restarts_total", job_id="j",
+                          reason="worker_failed") is None
