@@ -233,15 +233,19 @@ class _Planner:
         return self.changes[job_id]
 
     def event(
-        self, job_id: str, reason: EventReason, message: str, nodes: list[str] | None = None
+        self, job_id: str, reason: EventReason, message: str, nodes: list[str] | None = None,
+        *, members: int | None = None,
     ) -> None:
+        """Append an event; ``members``: the job's nodes, if not those this pass kept."""
         change = self.change(job_id)
         record = change.record
+        if members is None:
+            members = len(self.members.get(job_id, {}))
         change.events.append(
             JobEvent(
                 seq=record.next_event, time=self.now, phase=record.phase, reason=reason,
                 message=message, nodes=sorted(nodes or []),
-                world_size=len(self.members.get(job_id, {})) * record.spec.nproc_per_node,
+                world_size=members * record.spec.nproc_per_node,
             )
         )
         record.next_event += 1
@@ -344,7 +348,8 @@ class _Planner:
                        f"its budget ({st.remaining_restarts} left)")
             if error is not None and error.message:
                 message += f": {_clip(error.message)}"
-            self.event(job_id, EventReason.RESTART_CHARGED, message, [charge.node_id])
+            self.event(job_id, EventReason.RESTART_CHARGED, message, [charge.node_id],
+                       members=len(assigned))  # before this pass decides who stays
 
     def _finish_if_done(self, record: JobRecord, assigned: dict[str, Assignment]) -> bool:
         job_id = record.job_id

@@ -134,6 +134,7 @@ def test_restarts_of_a_node_that_leaves_and_rejoins_add_up_with_one_event_each()
     assert sim.job("j").restarts["worker_failed"] == 3
     events = charged_events(sim)
     assert [nodes for nodes, _ in events] == [["n2"]] * 3
+    assert {e.world_size for e in sim.events["j"] if e.reason == EventReason.RESTART_CHARGED} == {2}
     assert events[1][1] == ("a worker failed on n2; restart 2 charged to its budget (3 left): "
                             "rank 1 failed with exit code 1: boom")
     # The same view planned again (a new leader after the write): nothing repeated.
