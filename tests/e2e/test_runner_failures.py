@@ -36,7 +36,7 @@ from tests.support.agents import (
     processes_of_node,
     statuses,
 )
-from tests.support.coordinator import TOKEN, CoordinatorProcess
+from tests.support.coordinator import TOKEN, CoordinatorProcess, coordinator_and_agents, job_view
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -56,27 +56,16 @@ FAIL_FAST_S = 20.0
 def cluster(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
 ) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    coordinator = CoordinatorProcess(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    ).start()
-    agents = AgentCluster(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    )
-    try:
-        yield coordinator, agents
-    except BaseException:
-        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
-        raise
+    with coordinator_and_agents(
+        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
+    ) as both:
+        yield both
 
 
-def _view(api: httpx.Client, job_id: str) -> dict[str, Any]:
-    response = api.get(f"/v1/jobs/{job_id}")
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
 
 
 def _failed(api: httpx.Client, job_id: str) -> dict[str, Any] | None:
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     return view if view["phase"] == "FAILED" else None
 
 
@@ -116,7 +105,7 @@ def test_a_missing_working_directory_fails_the_job_and_submit_exits_1(
     assert expected in text
     assert took < FAIL_FAST_S + 10, took
     job_id = api.get("/v1/jobs").json()["jobs"][0]["job_id"]
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     assert view["phase"] == "FAILED"
     assert view["world_size"] == 0
     assert expected in view["error"]["message"]
@@ -152,7 +141,7 @@ def test_a_symlink_out_of_the_root_made_after_submit_is_refused_and_nothing_runs
         api, working_dir="exp", checkpoint_dir="exp",
         command=["python", "-c", f"open({marker!r}, 'w').write('x')"],
     )
-    assert _view(api, job_id)["phase"] == "PENDING"
+    assert job_view(api, job_id)["phase"] == "PENDING"
     (coordinator.workdir_root / "exp").symlink_to(outside)
     agents.start_agent(NODE)
     view = wait_for(lambda: _failed(api, job_id), timeout=60, what="the job FAILED")
@@ -218,7 +207,7 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     )
 
     def step() -> int:
-        return int(_view(api, job_id)["last_step"] or 0)
+        return int(job_view(api, job_id)["last_step"] or 0)
 
     wait_for(lambda: step() >= 3, timeout=120, what="3 steps")
     first = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE), timeout=30,
@@ -247,7 +236,7 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
     recovered = _first_step_after(tmp_path / NODE, job_id, killed_at, worker)
     before = step()
     wait_for(lambda: step() > before, timeout=60, what="training going on")
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     assert view["phase"] == "RUNNING"
     assert view["restarts"].get("worker_failed") == 1
     assert statuses(etcd_client, job_id)[NODE].remaining_restarts == 0
@@ -316,19 +305,19 @@ def test_a_sigkilled_runner_of_a_two_node_job_rejoins_and_the_job_trains_on_at_t
     )
 
     def at_two() -> bool:
-        view = _view(api, job_id)
+        view = job_view(api, job_id)
         return view["phase"] == "RUNNING" and view["world_size"] == 2
 
     wait_for(at_two, timeout=120, what="RUNNING at world size 2")
-    wait_for(lambda: int(_view(api, job_id)["last_step"] or 0) >= 3, timeout=60, what="3 steps")
+    wait_for(lambda: int(job_view(api, job_id)["last_step"] or 0) >= 3, timeout=60, what="3 steps")
     victim = wait_for(lambda: _runner_pid(etcd_client, job_id, NODE), timeout=30,
                       what="the runner's pid")
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: _runner_pid(etcd_client, job_id, NODE, not_pid=victim), timeout=60,
              what="a new runner running")
-    before = int(_view(api, job_id)["last_step"] or 0)
-    wait_for(lambda: at_two() and int(_view(api, job_id)["last_step"] or 0) > before,
+    before = int(job_view(api, job_id)["last_step"] or 0)
+    wait_for(lambda: at_two() and int(job_view(api, job_id)["last_step"] or 0) > before,
              timeout=90, what="training on at world size 2")
     status = statuses(etcd_client, job_id)[NODE]
     assert status.restart_reasons.get("worker_failed") == 1
-    assert _view(api, job_id)["phase"] == "RUNNING"
+    assert job_view(api, job_id)["phase"] == "RUNNING"

@@ -15,7 +15,6 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ import pytest
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
 from tests.support.agents import ELASTIC_DDP, AgentCluster, processes_of_node, read_events
-from tests.support.coordinator import CoordinatorProcess
+from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents, job_view
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -34,27 +33,16 @@ MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
 def cluster(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
 ) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    coordinator = CoordinatorProcess(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    ).start()
-    agents = AgentCluster(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    )
-    try:
-        yield coordinator, agents
-    except BaseException:
-        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
-        raise
+    with coordinator_and_agents(
+        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
+    ) as both:
+        yield both
 
 
-def _view(api: httpx.Client, job_id: str) -> dict[str, Any]:
-    response = api.get(f"/v1/jobs/{job_id}")
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
 
 
 def _running_at(api: httpx.Client, job_id: str, size: int) -> bool:
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     return view["phase"] == "RUNNING" and view["world_size"] == size
 
 
@@ -79,13 +67,13 @@ def test_gang_start_grow_shrink_pending_and_back(
     job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
 
     def waiting_for_min() -> bool:
-        view = _view(api, job_id)
+        view = job_view(api, job_id)
         nodes = {n["node_id"] for n in api.get("/v1/nodes").json()}
         scheduled = [c for c in view["conditions"] if c["type"] == "Scheduled"]
         return nodes == {"a"} and bool(scheduled) and scheduled[0]["reason"] == "below_min_nodes"
 
     wait_for(waiting_for_min, timeout=30, what="the scheduler to see a alone, below min")
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     assert view["phase"] == "PENDING" and view["nodes"] == []  # gang: not a partial start
 
     agents.start_agent("b")
@@ -97,18 +85,18 @@ def test_gang_start_grow_shrink_pending_and_back(
     wait_for(lambda: not processes_of_node("c", warm=True), timeout=15, what="c's workers gone")
     wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="shrunk to world size 2")
     assert "node_lost" in _reasons(api, job_id)
-    assert _view(api, job_id)["restarts"].get("node_lost", 0) >= 1
+    assert job_view(api, job_id)["restarts"].get("node_lost", 0) >= 1
 
     agents.kill_agent("b")
-    wait_for(lambda: _view(api, job_id)["phase"] == "PENDING", timeout=60,
+    wait_for(lambda: job_view(api, job_id)["phase"] == "PENDING", timeout=60,
              what="PENDING below min")
     assert "below_min_nodes" in _reasons(api, job_id)
     agents.start_agent("d")
     wait_for(lambda: _running_at(api, job_id, 2), timeout=120, what="back to RUNNING on a and d")
-    assert {n["node_id"] for n in _view(api, job_id)["nodes"]} == {"a", "d"}
+    assert {n["node_id"] for n in job_view(api, job_id)["nodes"]} == {"a", "d"}
 
     assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
-    wait_for(lambda: _view(api, job_id)["phase"] == "CANCELLED", timeout=30, what="CANCELLED")
+    wait_for(lambda: job_view(api, job_id)["phase"] == "CANCELLED", timeout=30, what="CANCELLED")
     wait_for(lambda: not processes_of_node("a") and not processes_of_node("d"), timeout=30,
              what="every worker gone after cancel")
 
@@ -142,7 +130,7 @@ def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step
     }
     job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
     wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="RUNNING at world size 3")
-    wait_for(lambda: (_view(api, job_id)["last_step"] or 0) >= 5, timeout=60, what="5 steps")
+    wait_for(lambda: (job_view(api, job_id)["last_step"] or 0) >= 5, timeout=60, what="5 steps")
 
     response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 2})
     assert response.status_code == 200, response.text
@@ -163,7 +151,7 @@ def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step
     # Steps are numbered from 0: resuming at step N means N steps were kept.
     assert resumed == last_at_3 + 1, (resumed, last_at_3)
     assert "scaled_by_user" in _reasons(api, job_id)
-    view = _view(api, job_id)
+    view = job_view(api, job_id)
     assert len(view["nodes"]) == 2 and view["spec"]["max_nodes"] == 2
 
 
@@ -183,7 +171,7 @@ def test_a_coordinator_restart_leaves_the_job_running_and_unchanged(
     }
     job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
     wait_for(lambda: _running_at(api, job_id, 1), timeout=120, what="RUNNING at world size 1")
-    before = _view(api, job_id)
+    before = job_view(api, job_id)
     assignment_key = etcd_client.keys.assignment("a", job_id)
     assignment = etcd_client.get(assignment_key)
     assert assignment is not None
@@ -196,7 +184,7 @@ def test_a_coordinator_restart_leaves_the_job_running_and_unchanged(
 
     coordinator.start()
     api = coordinator.client()
-    after = _view(api, job_id)
+    after = job_view(api, job_id)
     assert after["phase"] == "RUNNING" and after["nodes"] == [
         {**before["nodes"][0], "last_step": after["nodes"][0]["last_step"]}
     ]

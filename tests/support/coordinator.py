@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rendezvous.etcd_server import EtcdServer
+from tests.support.agents import AgentCluster
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -105,3 +109,29 @@ def job_spec(name: str = "job", **overrides: Any) -> dict[str, Any]:
     }
     spec.update(overrides)
     return spec
+
+
+def job_view(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    """``GET /v1/jobs/{job_id}``'s body, asserting it answered 200."""
+    response = api.get(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def coordinator_and_agents(
+    *, tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    """A started coordinator and an (empty) agent cluster on one etcd; both logs'
+    tails are printed when the body fails. The registry stops them."""
+    coordinator = CoordinatorProcess(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    ).start()
+    agents = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    try:
+        yield coordinator, agents
+    except BaseException:
+        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
+        raise

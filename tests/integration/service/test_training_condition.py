@@ -11,12 +11,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from rendezvous.etcd_server import EtcdServer
 from tests.support.agents import AgentCluster
-from tests.support.coordinator import CoordinatorProcess
+from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -24,10 +23,6 @@ from tests.support.wait import wait_for
 MLP = Path(__file__).resolve().parents[3] / "examples" / "mlp.py"
 
 
-def _view(api: httpx.Client, job_id: str) -> dict[str, Any]:
-    response = api.get(f"/v1/jobs/{job_id}")
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
 
 
 def _condition(view: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -58,7 +53,7 @@ def test_training_turns_true_when_a_worker_reports_its_first_step(
         with coordinator.client() as api:
             job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
             view = wait_for(
-                lambda: (v := _view(api, job_id))["phase"] == "RUNNING"
+                lambda: (v := job_view(api, job_id))["phase"] == "RUNNING"
                 and _condition(v, "Training")["status"] and v,
                 timeout=120, what="RUNNING and Training")
             training = _condition(view, "Training")
