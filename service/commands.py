@@ -2,11 +2,11 @@
 
 :func:`register` adds them to the ``tidal`` group::
 
-    tidal submit [--name N] [--min-nodes N] [--max-nodes M] [--nproc-per-node P]
+    tidal submit [-f JOB.yaml] [--name N] [--min-nodes N] [--max-nodes M] [--nproc-per-node P]
                  [--workdir D] [--checkpoint-dir D] [--env K=V ...] [--label K=V ...]
                  [--max-restarts N] [--priority P] [--grace-period S]
                  [--global-batch-size B] [--lr-rule none|linear|sqrt]
-                 [--no-wait | --timeout S] -- COMMAND [ARG ...]
+                 [--no-wait | --timeout S] [-- COMMAND [ARG ...]]
     tidal jobs    [--phase P] [--limit N | --all] [--json]
     tidal status  JOB [--watch [--timeout S]] [--json]
     tidal events  JOB [--json]
@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ from service.client import (
     resolve_target,
 )
 from service.client import default_state_dir as _default_state_dir
+from service.jobfile import JobFileError, job_fields
 from service.models import JobEvent, JobPhase, JobSpec, JobView, NodeView
 
 EXIT_OK = 0
@@ -455,16 +457,47 @@ def _spec_error(exc: ValidationError) -> InvalidJobError:
     return InvalidJobError(f"invalid job: {fields}")
 
 
+MAX_JOB_FILE_BYTES = 1 << 20
+
+
+def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
+    """The job file's fields with ``flags`` over them; a bad file is a usage error (exit 2)."""
+    source = "<stdin>" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_JOB_FILE_BYTES + 1)
+        else:
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_JOB_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidJobError(f"cannot read the job file {source}: {exc.strerror}") from None
+    if len(data) > MAX_JOB_FILE_BYTES:
+        raise InvalidJobError(f"{source}: larger than {MAX_JOB_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidJobError(f"{source}: not UTF-8 text") from None
+    try:
+        fields = job_fields(text, flags, source=source)
+    except JobFileError as exc:
+        raise InvalidJobError(str(exc)) from None
+    return fields
+
+
 # Options end where COMMAND starts, so its own options (`--lr 0.1`) stay its own.
 @click.command("submit", context_settings={"allow_interspersed_args": False})
+@click.option("-f", "--file", "job_file", metavar="FILE",
+              type=click.Path(dir_okay=False, allow_dash=True),
+              help="A YAML job file with the job spec's fields (`-` reads stdin); "
+                   "flags override it, a COMMAND after `--` replaces its command.")
 @click.option("--name", help="Readable name; the job id is NAME-<suffix> "
               "(default: from the command, e.g. `train` for `python train.py`).")
 @click.option("--min-nodes", type=click.IntRange(1), default=None,
               help="Fewest nodes the job runs on (default 1).")
 @click.option("--max-nodes", type=click.IntRange(1), default=None,
               help="Most nodes the job grows to (default: --min-nodes).")
-@click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
-              help="Worker processes per node.")
+@click.option("--nproc-per-node", type=click.IntRange(1), default=None,
+              help="Worker processes per node (default 1).")
 @click.option("--workdir", help="Working directory, relative to the coordinator's "
               "--workdir-root.")
 @click.option("--checkpoint-dir", help="Checkpoint directory, relative to the "
@@ -488,10 +521,11 @@ def _spec_error(exc: ValidationError) -> InvalidJobError:
               help="Print the job id and return at once instead of following the job.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=None, help="Stop following after this many seconds (exit 7).")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @_target_options
 def submit_command(
-    name: str | None, min_nodes: int | None, max_nodes: int | None, nproc_per_node: int,
+    job_file: str | None, name: str | None, min_nodes: int | None, max_nodes: int | None,
+    nproc_per_node: int | None,
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
     labels: tuple[str, ...], max_restarts: int | None, priority: int | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
@@ -505,30 +539,38 @@ def submit_command(
 
         tidal submit --min-nodes 1 --max-nodes 3 -- python train.py --lr 0.1
 
+    or keep the job in a YAML file (keys as in the API's job spec) and
+    override what you like:
+
+        tidal submit -f job.yaml --max-nodes 4 [-- python train.py --lr 0.2]
+
     Prints the job's events as they happen and exits with its outcome: 0
     succeeded, 1 failed, 3 cancelled (2 is a usage error, 4/5/6 an API,
     connection or configuration error, 7 --timeout, 130 Ctrl-C; the job goes
     on after Ctrl-C). With --no-wait, prints only the job id.
     """
-    fields: dict[str, Any] = {
-        "name": name or default_name(command),
-        "command": list(command),
-        "nproc_per_node": nproc_per_node,
+    flags: dict[str, Any] = {
+        "name": name, "command": list(command) or None, "min_nodes": min_nodes,
+        "max_nodes": max_nodes, "nproc_per_node": nproc_per_node, "working_dir": workdir,
+        "checkpoint_dir": checkpoint_dir, "max_restarts": max_restarts, "priority": priority,
+        "grace_period_s": grace_period_s,
+        "env": _pairs(env, option="--env", from_env=True) if env else None,
+        "node_selector": _pairs(labels, option="--label") if labels else None,
     }
-    fields["min_nodes"] = min_nodes if min_nodes is not None else 1
-    fields["max_nodes"] = max_nodes if max_nodes is not None else fields["min_nodes"]
-    optional: dict[str, Any] = {
-        "working_dir": workdir, "checkpoint_dir": checkpoint_dir, "max_restarts": max_restarts,
-        "priority": priority, "grace_period_s": grace_period_s,
-    }
-    fields.update({k: v for k, v in optional.items() if v is not None})
-    if env:
-        fields["env"] = _pairs(env, option="--env", from_env=True)
-    if labels:
-        fields["node_selector"] = _pairs(labels, option="--label")
-    if global_batch_size is not None or lr_rule is not None:
-        fields["resize_policy"] = {"global_batch_size": global_batch_size,
-                                   "lr_rule": lr_rule or "none"}
+    policy = {"global_batch_size": global_batch_size, "lr_rule": lr_rule}
+    if job_file is not None:
+        flags["resize_policy"] = {k: v for k, v in policy.items() if v is not None} or None
+        fields = _job_file_fields(job_file, flags)
+    else:
+        if not command:
+            raise click.UsageError("give the COMMAND after `--`, or a job file with -f")
+        fields = {k: v for k, v in flags.items() if v is not None}
+        fields.setdefault("min_nodes", 1)
+        fields.setdefault("max_nodes", fields["min_nodes"])
+        if global_batch_size is not None or lr_rule is not None:
+            fields["resize_policy"] = {"global_batch_size": global_batch_size,
+                                       "lr_rule": lr_rule or "none"}
+    fields.setdefault("name", default_name(fields["command"]))
     try:
         spec = JobSpec(**fields)
     except ValidationError as exc:
