@@ -290,6 +290,41 @@ def test_submit_exits_1_when_the_command_fails_and_status_shows_why(
     assert tidal("status", job, "--watch", "--json", env=env).returncode == 1
 
 
+def test_submit_f_runs_a_job_file_with_flags_and_a_command_overriding_it(
+    coordinator: Coordinator, procs: ProcessGroupRegistry, etcd_server: EtcdServer,
+    etcd_root: str, tmp_path: Path,
+) -> None:
+    agents = AgentCluster(etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root,
+                          workdir=tmp_path / "agents", procs=procs)
+    agents.workdir.mkdir()
+    agents.start_agent("a")
+    env = coordinator.env()
+    wait_for(lambda: coordinator.get("/v1/nodes"), timeout=30, what="agent a registered")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        "name: from-file\n"
+        "command: [python, -c, 'import sys; sys.exit(9)']  # replaced after --\n"
+        "max_restarts: 5\n"
+        "priority: 7\n"
+        "env:\n"
+        "  GREETING: 42\n"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("command: [true]\ngpus: 1\n")
+    clean_error(tidal("submit", "-f", str(bad), env=env), 2, f"{bad}:2: unknown key 'gpus'")
+
+    result = tidal("submit", "-f", str(job_file), "--max-restarts", "0", "--",
+                   sys.executable, "-c", "import os; print('greeting', os.environ['GREETING'])",
+                   env=env, timeout=90)
+    assert result.returncode == 0, f"{result}\n{agents.log_tails()}"
+    assert "Traceback" not in result.stderr
+    job = re.search(r"^submitted job (from-file-\S+) ", result.stdout, re.M).group(1)  # type: ignore[union-attr]
+    assert f"job {job} SUCCEEDED" in result.stdout
+    spec = json.loads(ok(tidal("status", job, "--json", env=env)))["spec"]
+    assert (spec["max_restarts"], spec["priority"]) == (0, 7)
+    assert spec["command"][0] == sys.executable
+
+
 def test_resolve_target_takes_flags_then_environment_then_the_cluster_file(
     tmp_path: Path,
 ) -> None:
