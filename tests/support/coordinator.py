@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,12 +12,32 @@ from typing import Any
 import httpx
 
 from rendezvous.etcd_server import EtcdServer
+from service.ready import read_ready
 from tests.support.agents import AgentCluster
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 TOKEN = "test-token-0123456789abcdef"
-_URL_RE = re.compile(r"serving on (http://\S+)")
+
+
+def wait_for_url(
+    process: subprocess.Popen[bytes], ready_file: Path, *, log_path: Path, timeout: float = 30.0
+) -> str:
+    """The URL a coordinator started with ``--ready-file ready_file`` says it serves on,
+    once it does (its log is for people, not read here).
+
+    Raises:
+        RuntimeError: the coordinator exited first (its log's tail is in the message).
+    """
+
+    def url() -> str | None:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-4000:] if log_path.exists() else ""
+            raise RuntimeError(f"the coordinator exited:\n{tail}")
+        ready = read_ready(ready_file, process.pid)
+        return ready.url if ready is not None else None
+
+    return wait_for(url, timeout=timeout, what=f"the coordinator's ready file {ready_file}")
 
 
 class CoordinatorProcess:
@@ -49,6 +68,7 @@ class CoordinatorProcess:
         self.env = env
         self.procs = procs
         self.log_path = workdir / f"{name}.log"
+        self.ready_file = workdir / f"{name}.ready.json"
         self.token_file = workdir / "token"
         self.token_file.write_text(TOKEN)
         self.workdir_root = workdir / "work"
@@ -60,24 +80,16 @@ class CoordinatorProcess:
             "--token-file", str(self.token_file),
             "--workdir-root", str(self.workdir_root),
             "--checkpoint-root", str(self.checkpoint_root),
-            "--election-ttl", "2",
+            "--election-ttl", "2", "--ready-file", str(self.ready_file),
             *extra,
         ]
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.process = self.procs.spawn(self.argv, log_path=self.log_path, env=self.env)
-
-        def url() -> str | None:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the coordinator exited:\n{self.log_tail()}")
-            match = _URL_RE.search(self.log_path.read_text(errors="replace")[offset:])
-            return match.group(1) if match else None
-
-        self.url = wait_for(url, timeout=timeout, what="the coordinator's URL in its log")
+        self.url = wait_for_url(self.process, self.ready_file, log_path=self.log_path,
+                                timeout=timeout)
         wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200,
                  timeout=timeout, what="the coordinator's /healthz")
         return self

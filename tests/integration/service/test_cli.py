@@ -21,6 +21,7 @@ import pytest
 from rendezvous.etcd_server import EtcdServer
 from service.client import TargetError, resolve_target
 from tests.support.agents import AgentCluster
+from tests.support.coordinator import wait_for_url
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -68,18 +69,10 @@ def coordinator(
         "--etcd", etcd_server.endpoint, "--etcd-root", etcd_root,
         "--port", "0", "--token-file", str(token_file),
         "--workdir-root", str(tmp_path), "--checkpoint-root", str(tmp_path / "checkpoints"),
-        "--election-ttl", "2",
+        "--election-ttl", "2", "--ready-file", str(tmp_path / "coordinator.ready.json"),
     ]
     proc = procs.spawn(argv, log_path=log, env=_clean_env(TIDAL_RECONCILE_INTERVAL_S="0.5"))
-
-    def serving() -> str | None:
-        found = re.search(r"serving on (http://\S+)", log.read_text(errors="replace"))
-        if found:
-            return found.group(1)
-        return "exited" if proc.poll() is not None else None
-
-    url = wait_for(serving, timeout=30, what="the coordinator's 'serving on' line")
-    assert url != "exited", f"the coordinator exited:\n{log.read_text(errors='replace')}"
+    url = wait_for_url(proc, tmp_path / "coordinator.ready.json", log_path=log)
     home = tmp_path / "home"
     home.mkdir()
     yield Coordinator(url=url, token_file=token_file, log=log, home=home)
