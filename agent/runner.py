@@ -49,7 +49,7 @@ from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
 from agent.zygote import ZygoteProcess
-from rendezvous.assigned import AssignedRendezvousHandler
+from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError, Fence
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import (
@@ -269,6 +269,7 @@ def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
     if spec.prior is not None:
         return spec.prior.model_copy(update={
             "state": JobNodeState.STARTING, "world_size": 0, "ranks": [], "pid": pid,
+            "devices": spec.devices or [],
         })
     return JobNodeStatus(
         job_id=job.job_id,
@@ -276,6 +277,7 @@ def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
         generation=job.generation,
         state=JobNodeState.STARTING,
         remaining_restarts=job.max_restarts,
+        devices=spec.devices or [],
         pid=pid,
     )
 
@@ -311,6 +313,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         assigned_wait_s=float(conf.get("assigned_wait", 30)),
         lease_ttl_s=spec.lease_ttl_s,
         join_timeout_s=float(conf.get("join_timeout", 600)),
+        fence=Fence(keys.assignment(spec.node_id, job.job_id), job.generation),
     )
     worker_spec = WorkerSpec(
         role="trainer",
@@ -342,6 +345,14 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     except SignalException as exc:
         _ignore_stop_requests()
         log.info("stopping on %s: leaving the job (the others go on)", exc.sigval.name)
+        handler.leave()
+        reporter.update(state=JobNodeState.CANCELLED)
+        return EXIT_STOPPED
+    except AssignmentWithdrawnError as exc:
+        # The coordinator took this node out of the job (or gave it a new
+        # generation) while this runner could not see it: its agent stops it.
+        _ignore_stop_requests()
+        log.warning("%s: leaving the job", exc)
         handler.leave()
         reporter.update(state=JobNodeState.CANCELLED)
         return EXIT_STOPPED

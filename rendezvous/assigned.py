@@ -37,6 +37,15 @@ An etcd outage does not break a running round: leases survive a restarted
 etcd, and a runner that lost its lease while etcd was unreachable puts its
 record back under a new lease once etcd answers, without restarting its
 workers (unless the others went on without it meanwhile).
+
+A join record is *fenced* by the node's assignment (``fence``): it is put in
+a transaction that holds only while ``assignments/<node>/<job>`` still holds
+this runner's generation. A runner cut off from etcd long enough for the
+coordinator to drop its node would otherwise put its record back when the
+network heals, a moment before its agent stops it; the others would form a
+round with it, and wait in that round's store for a member that never
+comes. Once the assignment is gone or rewritten, the runner cannot join
+again (:class:`AssignmentWithdrawnError`).
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from rendezvous.errors import EtcdError
 from rendezvous.keys import Keys, validate_id
 from rendezvous.lease import LeaseKeeper
 from rendezvous.liveness import LivenessServer, PeerMonitor, Probe, probe
+from rendezvous.records import Assignment
 from rendezvous.torch_backend import EtcdV3Store
 from rendezvous.watch import PrefixWatcher
 
@@ -136,6 +146,19 @@ class RoundRecord:
                    members=tuple(Member.from_dict(m) for m in raw["members"]))
 
 
+class AssignmentWithdrawnError(RendezvousClosedError):
+    """This node's assignment of the job is gone or holds another generation:
+    this runner may not join a round of it again."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The assignment a join record is valid under: its key and generation."""
+
+    key: str
+    generation: int
+
+
 @dataclass(frozen=True)
 class Change:
     """Why the current round is obsolete."""
@@ -175,6 +198,9 @@ class AssignedRendezvousHandler(RendezvousHandler):
         join_timeout_s: how long :meth:`next_rendezvous` waits for
             ``min_nodes`` before it gives up.
         store_timeout_s: the c10d store's timeout.
+        fence: the node's assignment; the join record is put only while it
+            holds this generation (see the module doc). None: no fence (a
+            rendezvous used without tidal's coordinator, as by torchrun).
     """
 
     def __init__(
@@ -192,6 +218,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         lease_ttl_s: int = 5,
         join_timeout_s: float = 600.0,
         store_timeout_s: float = 300.0,
+        fence: Fence | None = None,
     ) -> None:
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"need 1 <= min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
@@ -207,6 +234,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._lease_ttl_s = lease_ttl_s
         self._join_timeout_s = join_timeout_s
         self._store_timeout = datetime.timedelta(seconds=store_timeout_s)
+        self._fence = fence
         prefix = self._keys.rdzv_prefix(run_id) + "assigned/"
         self._joins_prefix = prefix + "joins/"
         self._round_key = prefix + "round"
@@ -410,8 +438,11 @@ class AssignedRendezvousHandler(RendezvousHandler):
         while True:
             try:
                 lease = self._join_lease()
-                self._client.put(self._joins_prefix + self._node, record.to_json(), lease=lease)
-                return
+                guard = self._fence_guard()
+                put = Put(self._joins_prefix + self._node, record.to_json(), lease)
+                if self._client.txn(guard, [put]).succeeded:
+                    return
+                continue  # the assignment changed between the read and the put: read again
             except EtcdError as exc:
                 if time.monotonic() > deadline:
                     raise RendezvousConnectionError(
@@ -420,6 +451,26 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 log.warning("cannot put the join record (%s); retrying in %.1f s", exc, delay)
                 self._stopped.wait(delay)
                 delay = min(2 * delay, 2.0)
+
+    def _fence_guard(self) -> list[Compare]:
+        """The transaction guard of a join: this node's assignment, as it is now,
+        holds this runner's generation. Raises AssignmentWithdrawnError if not."""
+        fence = self._fence
+        if fence is None:
+            return []
+        kv = self._client.get(fence.key)
+        generation = None
+        if kv is not None:
+            try:
+                generation = Assignment.model_validate_json(kv.value).generation
+            except ValueError:
+                generation = None
+        if generation != fence.generation:
+            raise AssignmentWithdrawnError(
+                f"job {self._run_id}: the assignment of node {self._node} at generation "
+                f"{fence.generation} is {'gone' if kv is None else 'replaced'}: not joining"
+            )
+        return [Compare(fence.key, "mod", "==", kv.mod_revision)]  # type: ignore[union-attr]
 
     def _join_lease(self) -> int:
         if self._lease is None or not self._lease.alive:
@@ -443,6 +494,9 @@ class AssignedRendezvousHandler(RendezvousHandler):
             log.warning("the rendezvous lease was lost: putting the join record back")
             try:
                 self._announce(wanted)
+            except AssignmentWithdrawnError as exc:
+                log.warning("%s", exc)
+                return  # the agent stops this runner; the others go on without it
             except RendezvousConnectionError as exc:
                 log.error("%s", exc)
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import (
@@ -16,9 +17,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous.assigned import AssignedRendezvousHandler
+from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError, Fence
 from rendezvous.client import EtcdClient, EtcdConfig, create_client
 from rendezvous.keys import Keys
+from rendezvous.records import Assignment
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -36,7 +38,7 @@ def make(etcd_config: EtcdConfig) -> Iterator[Make]:
         min_nodes: int = 1,
         max_nodes: int = 3,
         expected: set[str] | None = None,
-        **kwargs: float,
+        **kwargs: Any,
     ) -> AssignedRendezvousHandler:
         client = create_client(etcd_config)
         handler = AssignedRendezvousHandler(
@@ -215,3 +217,41 @@ def test_a_member_whose_record_lapsed_and_came_back_is_waited_for(
     c._announce(1)  # the record back, same incarnation, as after a lapsed lease
     infos = together(a, b, c)
     assert [i.world_size for i in infos] == [3, 3, 3]
+
+
+def _assign(client: EtcdClient, root: str, node: str, generation: int) -> str:
+    key = Keys(root).assignment(node, JOB)
+    assignment = Assignment(job_id=JOB, generation=generation, command=["true"],
+                            min_nodes=1, max_nodes=3)
+    client.put(key, assignment.model_dump_json().encode())
+    return key
+
+
+def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back(
+    make: Make, etcd_client: EtcdClient, etcd_config: EtcdConfig
+) -> None:
+    # What a network partition does (tests/netns/test_partition.py): c's runner
+    # is cut off, its lease lapses, the coordinator drops c (deletes its
+    # assignment); when the network heals, the stale runner must not put its
+    # record back a moment before its agent stops it, or a and b form a round
+    # with a member that never comes.
+    root = etcd_config.root
+    fences = {n: Fence(_assign(etcd_client, root, n, 1), 1) for n in ("a", "b", "c")}
+    a, b, c = (make(n, expected={"a", "b", "c"}, fence=fences[n]) for n in ("a", "b", "c"))
+    assert [i.world_size for i in together(a, b, c)] == [3, 3, 3]
+    etcd_client.delete(fences["c"].key)
+    etcd_client.delete(Keys(root).rdzv_prefix(JOB) + "assigned/joins/c")
+    change = wait_for(a.pending_change, timeout=10, what="a to see c's record gone")
+    assert change.nodes == frozenset({"c"})
+    with pytest.raises(AssignmentWithdrawnError, match="node c at generation 1 is gone"):
+        c._announce(2)
+    assert etcd_client.get(Keys(root).rdzv_prefix(JOB) + "assigned/joins/c") is None
+    a._expected_nodes = b._expected_nodes = lambda: {"a", "b"}
+    infos = together(a, b)
+    assert [i.world_size for i in infos] == [2, 2]
+    # c placed again, at a new generation: the old runner stays out; a new one joins.
+    _assign(etcd_client, root, "c", 4)
+    with pytest.raises(AssignmentWithdrawnError, match="is replaced"):
+        c._announce(3)
+    c4 = make("c", expected={"a", "b", "c"}, fence=Fence(fences["c"].key, 4))
+    assert [i.world_size for i in together(a, b, c4)] == [3, 3, 3]
