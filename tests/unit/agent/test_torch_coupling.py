@@ -1,0 +1,95 @@
+"""The private parts of torch elastic that tidal's runner relies on, checked loudly.
+
+:class:`agent.runner.TidalElasticAgent` extends torch's ``LocalElasticAgent``
+by overriding and calling members that torch does not document as public. A
+torch release that renames one, changes its parameters or stops setting one
+of the attributes would break recovery in ways only the scenario tests see,
+late and obscurely. This test names each one; when it fails after a torch
+upgrade, it says which hook moved, and agent/runner.py is the one place to
+adapt (pyproject.toml says ``torch>=2.4``; the suite runs on the pinned
+release in the Makefile).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from agent.runner import TidalElasticAgent
+
+#: method -> its parameters (after self) the runner passes, first the positional ones.
+METHODS: dict[str, tuple[str, ...]] = {
+    "_invoke_run": ("role",),  # overridden: the runner's own monitor loop
+    "_stop_workers": ("worker_group",),  # overridden: a grace period per cause
+    "_initialize_workers": ("worker_group",),
+    "_restart_workers": ("worker_group",),
+    "_rendezvous": ("worker_group",),
+    "_start_workers": ("worker_group",),
+    "_monitor_workers": ("worker_group",),
+    "_shutdown": ("timeout",),  # by keyword
+    "_exit_barrier": (),
+}
+
+#: attributes the runner reads or writes on a constructed agent.
+ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
+
+
+class _NoRendezvous(RendezvousHandler):
+    """Enough of a handler to construct an agent; never asked for a round."""
+
+    def get_backend(self) -> str:
+        return "none"
+
+    def next_rendezvous(self) -> Any:
+        raise AssertionError("not used")
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return "coupling"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_torch_hook_the_runner_uses_is_still_there_with_its_parameters(name: str) -> None:
+    member = getattr(LocalElasticAgent, name, None)
+    assert member is not None, f"torch's LocalElasticAgent has no {name} any more"
+    params = tuple(p for p in inspect.signature(member).parameters if p != "self")
+    wanted = METHODS[name]
+    positional = params[:1] == wanted[:1] or name == "_shutdown"
+    assert positional and set(wanted) <= set(params), (
+        f"torch's LocalElasticAgent.{name} now takes {params}, the runner passes {wanted}"
+    )
+
+
+def test_the_runner_overrides_what_it_means_to_and_nothing_else_private() -> None:
+    overridden = {
+        name for name, value in vars(TidalElasticAgent).items()
+        if name.startswith("_") and not name.startswith("__") and callable(value)
+        and hasattr(SimpleElasticAgent, name)
+    }
+    assert overridden == {"_invoke_run", "_stop_workers"}, overridden
+
+
+def test_a_constructed_agent_has_the_attributes_the_runner_reads(tmp_path: Any) -> None:
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=_NoRendezvous(),
+                      entrypoint="python", args=("-c", "pass"))
+    agent = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    missing = [name for name in ATTRIBUTES if not hasattr(agent, name)]
+    assert not missing, f"torch's LocalElasticAgent no longer sets {missing}"
+    assert agent._remaining_restarts == spec.max_restarts
