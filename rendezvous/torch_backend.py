@@ -128,7 +128,6 @@ def _ride_out_outage(
     what: str,
     call: Callable[[float | None], T],
     grace_s: float,
-    on_outage: Callable[[], None] | None = None,
     *,
     call_timeout_s: float | None = None,
 ) -> T:
@@ -141,7 +140,6 @@ def _ride_out_outage(
         what: what the call does, for log lines.
         call: the call; it gets the deadline of the attempt (None: the client's).
         grace_s: how long to keep retrying while etcd does not answer.
-        on_outage: called at each failed attempt.
         call_timeout_s: the first attempt's deadline; each retry gets twice the
             previous one (the client caps it at its own timeout). A member that
             swallows packets costs one short deadline, after which the client
@@ -159,8 +157,6 @@ def _ride_out_outage(
         try:
             return call(timeout)
         except EtcdUnavailableError as exc:
-            if on_outage is not None:
-                on_outage()
             if time.monotonic() + delay > deadline:
                 raise
             log.warning("etcd unreachable during %s (%s); retrying in %.1f s", what, exc, delay)
@@ -243,9 +239,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._client = client
         self._grace_s = outage_grace_s
         self.call_timeout_s = call_timeout_s
-        # When etcd last failed to answer (monotonic clock): heartbeats written
-        # around an outage are stale, so liveness judged from them is not trusted.
-        self.last_outage: float | None = None
         self._key = client.keys.rdzv_state(validate_id(run_id, what="rendezvous run id"))
         self._leases = _LeaseCache(client, key_ttl_s)
 
@@ -253,13 +246,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         """See base class."""
         return BACKEND_NAME
-
-    def _mark_outage(self) -> None:
-        self.last_outage = time.monotonic()
-
-    def outage_within(self, seconds: float) -> bool:
-        """True if etcd failed to answer this backend in the last ``seconds``."""
-        return self.last_outage is not None and time.monotonic() - self.last_outage < seconds
 
     @property
     def key(self) -> str:
@@ -273,7 +259,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 "reading the state",
                 lambda timeout_s: self._client.get(self._key, timeout_s=timeout_s),
                 self._grace_s,
-                self._mark_outage,
                 call_timeout_s=self.call_timeout_s,
             )
         except EtcdError as exc:
@@ -318,7 +303,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                     lambda lease: write(lease, timeout_s), timeout_s
                 ),
                 self._grace_s,
-                self._mark_outage,
                 call_timeout_s=self.call_timeout_s,
             )
         except EtcdError as exc:
