@@ -56,6 +56,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from agent.admission import AssignmentGate
+from agent.gpu_metrics import GpuCollector
+from agent.gpu_node import NodeGpus, NoDevicesError
 from agent.jobpaths import JobSetupError, check_job_paths
 from agent.logcap import open_private_log
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
@@ -74,7 +76,15 @@ from agent.workeruser import ENV_WORKER_USER, lookup, private_dir
 from agent.zygote import TITLE_ROOM
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.errors import EtcdError
-from rendezvous.records import Assignment, JobNodeStatus, RestartReason, utcnow
+from rendezvous.records import (
+    RUNNER_RANK,
+    Assignment,
+    JobNodeState,
+    JobNodeStatus,
+    RestartReason,
+    WorkerError,
+    utcnow,
+)
 from rendezvous.registry import (
     NodeAlreadyRegisteredError,
     NodeInfo,
@@ -92,6 +102,7 @@ class _Runner:
     process: subprocess.Popen[bytes]
     log_path: Path  # runner.log, or runner-<pid>.log for a warm runner that replaced one
     stop_deadline: float | None = None  # set once SIGTERM was sent
+    devices: list[int] | None = None  # its GPUs (agent.gpu_node); None on a CPU node
 
 
 @dataclass
@@ -154,6 +165,11 @@ class Agent:
         self._warm_due = 0.0  # monotonic time from which a warm runner may start
         self._warm_retry_s = WARM_RETRY_S
         self._warm_started = 0
+        self.gpus = NodeGpus(settings)
+        self._registration: NodeRegistration | None = None
+        # job -> (generation, why): runners killed because a GPU they held failed
+        self._evicted: dict[str, tuple[int, str]] = {}
+        self._waiting: dict[str, int] = {}  # job -> generation waiting for devices (logged)
 
     def _job_ids(self) -> list[str]:
         with self._jobs_lock:
@@ -164,7 +180,9 @@ class Agent:
         if port is None:
             return
         registry = CollectorRegistry()
-        self.metrics = AgentMetrics(registry, slots=self.settings.slots)
+        self.metrics = AgentMetrics(registry, slots=self.gpus.slots)
+        registry.register(GpuCollector(
+            self.settings.node_id, lambda: self.gpus.snapshot, self._held))
         registry.register(JobStatusCollector(
             client, self.settings.node_id, self._job_ids,
             run_dir=self.settings.run_dir, extra_restarts=self.metrics.restarts,
@@ -184,15 +202,18 @@ class Agent:
         # Nobody else reads the jobs' logs and specs (workers as another user pass through).
         worker_user = lookup(settings.worker_user) if settings.worker_user else None
         private_dir(settings.run_dir, worker_user)
+        self.gpus.start(on_change=self._wake.set)  # before the warm runner: slots are GPUs
         self._keep_warm()  # first: its imports overlap with everything below
         registration: NodeRegistration | None = None
         try:
             self._client = client = create_client(settings.etcd_config())
         except BaseException:
             self._discard_warm()
+            self.gpus.stop()
             raise
         try:
-            registration = self._register(client)
+            registration = self._registration = self._register(client)
+            self.gpus.confirm()
             self._serve_metrics(client)
             self._watcher = PrefixWatcher(
                 client,
@@ -205,6 +226,7 @@ class Agent:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 try:
+                    self._follow_gpus()
                     if self._watcher.synced:
                         self.reconcile(self._desired())
                     self._keep_warm()
@@ -214,6 +236,7 @@ class Agent:
             self._stop_all_runners()
         finally:
             self._discard_warm()
+            self.gpus.stop()
             if self._watcher is not None:
                 self._watcher.stop()
             if registration is not None:
@@ -243,10 +266,66 @@ class Agent:
             node_id=s.node_id,
             host=os.uname().nodename,
             address=s.address,
-            slots=s.slots,
-            gpus=s.gpus,
             labels=s.labels,
+            **self.gpus.record_fields(),
         )
+
+    # GPUs ------------------------------------------------------------------------
+
+    def _held(self) -> dict[str, list[int]]:
+        """The devices each live runner holds (one being stopped too, until it exits)."""
+        return {job_id: r.devices for job_id, r in self.state.runners.items() if r.devices}
+
+    def _follow_gpus(self) -> None:
+        """Publish changed GPU records; take a job off a GPU that failed, as if the node died."""
+        if self.gpus.changed() and self._registration is not None:
+            info = self._node_info()
+            self._registration.update(info)  # EtcdError: not confirmed, the next pass retries
+            self.gpus.confirm()
+            for gpu in info.gpu_devices:
+                if not gpu.healthy:
+                    log.error("GPU %d (%s) is out of this node's offer: %s",
+                              gpu.index, gpu.uuid or "no uuid", gpu.fault)
+        for job_id, reason in self.gpus.failed_holders(self._held()).items():
+            runner = self.state.runners[job_id]
+            if job_id in self._evicted:
+                continue
+            log.error("job %s loses this node: %s", job_id, reason)
+            self._evicted[job_id] = (runner.assignment.generation, reason)
+            runner.stop_deadline = time.monotonic()  # no grace: the GPU is gone
+            with contextlib.suppress(ProcessLookupError):
+                runner.process.kill()
+
+    def _leave(self, assignment: Assignment, reason: str) -> None:
+        """Leave the job on this node (status CANCELLED, why in its error): the
+        coordinator takes the node out of it, as for a node that died."""
+        assert self._client is not None
+        key = self._client.keys.status(assignment.job_id, self.settings.node_id)
+        kv = self._client.get(key)
+        status = None
+        if kv is not None:
+            with contextlib.suppress(ValidationError):
+                status = JobNodeStatus.model_validate_json(kv.value)
+        if status is None or status.generation != assignment.generation:
+            status = JobNodeStatus(job_id=assignment.job_id, node_id=self.settings.node_id,
+                                   generation=assignment.generation, state=JobNodeState.STARTING)
+        status = status.model_copy(update={
+            "state": JobNodeState.CANCELLED, "updated_at": utcnow(),
+            "error": WorkerError(rank=RUNNER_RANK, exit_code=0, message=reason[:4096]),
+        })
+        self._client.put(key, status.model_dump_json().encode())
+        self.state.finished[assignment.job_id] = (assignment.generation, EXIT_STOPPED)
+        log.warning("job %s left on this node: %s", assignment.job_id, reason)
+
+    def _no_devices(self, assignment: Assignment, reason: str) -> None:
+        """Wait for a stopping runner's devices, or leave the job if none will come free."""
+        if any(r.stop_deadline is not None and r.devices for r in self.state.runners.values()):
+            if self._waiting.get(assignment.job_id) != assignment.generation:
+                self._waiting[assignment.job_id] = assignment.generation
+                log.info("job %s waits for a stopping job's GPUs: %s", assignment.job_id, reason)
+            return
+        self._waiting.pop(assignment.job_id, None)
+        self._leave(assignment, reason)
 
     def _on_event(self, _event: WatchEvent) -> None:
         self._wake.set()
@@ -318,6 +397,7 @@ class Agent:
         if self.metrics is not None:
             used = sum(r.assignment.nproc_per_node for r in self.state.runners.values())
             self.metrics.slots_used.set(used)
+            self.metrics.slots.set(self.gpus.slots)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -345,6 +425,11 @@ class Agent:
         exited = self.state.exited[job_id]
         assignment = exited.assignment
         if self._client is None:
+            return
+        evicted = self._evicted.get(job_id)
+        if evicted is not None and evicted[0] == assignment.generation:
+            self._leave(assignment, evicted[1])
+            del self._evicted[job_id], self.state.exited[job_id]
             return
         stopping = exited.stopping or wanted is None or wanted.generation != assignment.generation
         reported = None
@@ -385,6 +470,13 @@ class Agent:
         and a job that cannot start should fail at once. The runner checks
         them again where it uses them (agent.jobpaths).
         """
+        try:
+            devices = self.gpus.devices_for(assignment.job_id, assignment.gpus_per_node,
+                                            self._held())
+        except NoDevicesError as exc:
+            self._no_devices(assignment, str(exc))
+            return
+        self._waiting.pop(assignment.job_id, None)
         with self._jobs_lock:
             self._jobs_seen.add(assignment.job_id)
         try:
@@ -397,7 +489,7 @@ class Agent:
             )
             return
         try:
-            self._launch(assignment, prior)
+            self._launch(assignment, prior, devices)
         except Exception as exc:
             log.exception("could not start a runner for %s", assignment.job_id)
             self.state.exited[assignment.job_id] = _Exited(
@@ -405,7 +497,9 @@ class Agent:
                 outcome=RunnerOutcome(pid=0, message=f"could not start it: {exc}"),
             )
 
-    def _launch(self, assignment: Assignment, prior: JobNodeStatus | None) -> None:
+    def _launch(
+        self, assignment: Assignment, prior: JobNodeStatus | None, devices: list[int] | None
+    ) -> None:
         job_dir = self._job_dir(assignment)
         job_dir.mkdir(parents=True, exist_ok=True)
         (job_dir / OUTCOME_FILE).unlink(missing_ok=True)  # a predecessor's
@@ -419,6 +513,7 @@ class Agent:
             log_max_bytes=self.settings.log_max_bytes,
             lease_ttl_s=self.settings.lease_ttl_s,
             prior=prior,
+            devices=devices,
         )
         spec_path = job_dir / "runner-spec.json"
         with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -438,7 +533,8 @@ class Agent:
                     env=self._runner_env(assignment.job_id),
                 )
             log.info("started runner %d for job %s", process.pid, assignment.job_id)
-        self.state.runners[assignment.job_id] = _Runner(assignment, process, log_path)
+        self.state.runners[assignment.job_id] = _Runner(assignment, process, log_path,
+                                                        devices=devices)
 
     def _runner_env(self, job_id: str | None) -> dict[str, str]:
         """The runner's environment: marks it as this node's and job's; carries the
@@ -456,7 +552,7 @@ class Agent:
 
     def _wants_warm(self) -> bool:
         return wants_warm_runner(
-            self.settings.slots,
+            self.gpus.slots,
             [(r.assignment, r.stop_deadline is not None) for r in self.state.runners.values()],
         )
 

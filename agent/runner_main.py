@@ -52,6 +52,7 @@ def prepare_environment(spec: RunnerSpec) -> Path:
             or reached through a symlink (:mod:`agent.jobpaths`).
     """
     from agent.netif import socket_interface_env
+    from rendezvous.gpus import device_env
 
     job = spec.assignment
     progress_dir = spec.job_dir / "progress"
@@ -80,6 +81,8 @@ def prepare_environment(spec: RunnerSpec) -> Path:
         os.environ["TIDAL_CHECKPOINT_DIR"] = job.checkpoint_dir
     # Collectives go over the interface other nodes reach this one at.
     os.environ.update(socket_interface_env(spec.address, job.env))
+    # The job's own GPUs, numbered as NVML numbers them (rendezvous.gpus).
+    os.environ.update(device_env(spec.devices))
     return progress_dir
 
 
@@ -101,7 +104,8 @@ _IMPORT_TIME_PREFIXES = (
 )
 #: ... except these, which a forked worker applies itself or which torch reads later.
 _APPLIED_AFTER_FORK = frozenset(
-    {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TIDAL_ZYGOTE_SOCKET"}
+    {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+     "TIDAL_ZYGOTE_SOCKET"}
 )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from agent.gpus import parse_selection
 from agent.logcap import DEFAULT_MAX_BYTES
 from agent.workeruser import check_setting
 from rendezvous.keys import validate_id
@@ -35,7 +36,12 @@ class AgentSettings(EtcdSettings):
     node_id: str = Field(default_factory=_default_node_id)
     address: str = Field(default="127.0.0.1", min_length=1, max_length=253)
     slots: int = Field(default=1, ge=1, le=1024)
-    gpus: int = Field(default=0, ge=0, le=1024)
+    # "all" (what NVML finds), "none", or indices "0,1,3" (accepted without NVML).
+    gpus: str = Field(default="all", max_length=4096)
+    # A JSON file that stands for NVML (agent.gpus.FileInventory): tests, odd drivers.
+    gpu_inventory_file: Path | None = None
+    # Seconds between GPU health and utilisation polls.
+    gpu_poll_s: float = Field(default=2.0, gt=0, le=300)
     labels: dict[str, str] = Field(default_factory=dict)
     run_dir: Path = Path(".tidal/agent")
     lease_ttl_s: int = Field(default=5, ge=2, le=300)
@@ -54,6 +60,17 @@ class AgentSettings(EtcdSettings):
     @classmethod
     def _node_id(cls, value: str) -> str:
         return validate_id(value, what="node id")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: str) -> str:
+        parse_selection(value)
+        return value
+
+    @property
+    def gpu_selection(self) -> list[int] | None:
+        """``gpus`` parsed: None for all, [] for none, else the indices."""
+        return parse_selection(self.gpus)
 
     @field_validator("worker_user")
     @classmethod

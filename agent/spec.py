@@ -71,6 +71,9 @@ class RunnerSpec(BaseModel):
     # daemon's charge for its death. The new runner goes on from it (restart
     # counts, the remaining budget).
     prior: JobNodeStatus | None = None
+    # The GPU indices the job's workers get here (CUDA_VISIBLE_DEVICES); None
+    # on a node without GPUs, [] for a job that asked for none on a GPU node.
+    devices: list[int] | None = None
 
 
 class RunnerOutcome(BaseModel):

@@ -79,6 +79,8 @@ class Assignment(BaseModel):
     min_nodes: int = Field(ge=1, le=10_000)
     max_nodes: int = Field(ge=1, le=10_000)
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    # GPUs the job's workers on this node get; the agent picks which (agent.devices).
+    gpus_per_node: int = Field(default=0, ge=0, le=1024)
     max_restarts: int = Field(default=3, ge=0, le=10_000)
     checkpoint_dir: str | None = Field(default=None, max_length=4096)
     rdzv_conf: dict[str, str] = Field(default_factory=dict)
@@ -159,6 +161,8 @@ class JobNodeStatus(BaseModel):
     state: JobNodeState
     world_size: int = 0
     ranks: list[int] = Field(default_factory=list)
+    # The GPU indices (NVML's) the node's workers hold for the job; [] without GPUs.
+    devices: list[int] = Field(default_factory=list, max_length=1024)
     restart_count: int = 0
     restart_reasons: dict[str, int] = Field(default_factory=dict)
     last_restart_reason: RestartReason | None = None

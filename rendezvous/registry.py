@@ -31,10 +31,18 @@ from datetime import datetime, timezone
 from importlib import metadata
 from types import TracebackType
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rendezvous.client import Compare, EtcdClient, Get, Put, WatchEvent
 from rendezvous.errors import EtcdError
+from rendezvous.gpus import MAX_GPUS, GpuInfo, check_indices
 from rendezvous.keys import validate_id
 from rendezvous.lease import LeaseKeeper
 from rendezvous.watch import PrefixWatcher
@@ -65,8 +73,12 @@ class NodeInfo(BaseModel):
         node_id: the node's name in keys and the API (see ``keys.validate_id``).
         host: the machine's host name.
         address: where other nodes reach it (IP address or resolvable name).
-        slots: how many workers it can run (>= 1).
-        gpus: how many GPUs it has (>= 0).
+        slots: how many workers it can run (on a GPU node: its healthy GPUs,
+            so 0 once they all failed).
+        gpus: how many GPUs it has (>= 0), healthy or not: ``len(gpu_devices)``
+            when those are given.
+        gpu_devices: each GPU, with its locality and health
+            (:class:`rendezvous.gpus.GpuInfo`); empty on a CPU node.
         labels: free-form ``key -> value`` tags for scheduling (bounded).
         started_at: when the agent started (UTC).
         version: the tidal version the agent runs.
@@ -77,8 +89,9 @@ class NodeInfo(BaseModel):
     node_id: str
     host: str = Field(default_factory=socket.gethostname)
     address: str = "127.0.0.1"
-    slots: int = Field(default=1, ge=1, le=4096)
-    gpus: int = Field(default=0, ge=0, le=1024)
+    slots: int = Field(default=1, ge=0, le=4096)
+    gpus: int = Field(default=0, ge=0, le=MAX_GPUS)
+    gpu_devices: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS)
     labels: dict[str, str] = Field(default_factory=dict)
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     version: str = Field(default_factory=_tidal_version, max_length=64)
@@ -115,6 +128,27 @@ class NodeInfo(BaseModel):
                     "from [A-Za-z0-9._:/=+-]"
                 )
         return value
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _check_gpus(cls, value: list[GpuInfo]) -> list[GpuInfo]:
+        check_indices(value)
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_count(self) -> NodeInfo:
+        if self.gpu_devices and self.gpus != len(self.gpu_devices):
+            raise ValueError(
+                f"gpus ({self.gpus}) must be the number of gpu_devices ({len(self.gpu_devices)})"
+            )
+        return self
+
+    @property
+    def healthy_gpus(self) -> int:
+        """The GPUs the node offers: those not failed (all ``gpus`` without a device list)."""
+        if not self.gpu_devices:
+            return self.gpus
+        return sum(1 for gpu in self.gpu_devices if gpu.healthy)
 
     def to_json(self) -> bytes:
         """The record as stored in etcd."""
@@ -190,6 +224,31 @@ class NodeRegistration:
         """True while the record is held by a live lease, as far as this process knows."""
         keeper = self._keeper
         return keeper is not None and keeper.alive and not self._closed.is_set()
+
+    def update(self, info: NodeInfo) -> bool:
+        """Publish a changed record (a GPU failed) under the registration's lease.
+
+        The record is written only while the key is held by this registration's
+        current lease; without it, the re-registration writes ``info`` anyway.
+
+        Args:
+            info: the new record; its ``node_id`` must be this registration's.
+
+        Returns:
+            True if it was written now, False if it waits for the re-registration.
+
+        Raises:
+            ValueError: ``info`` is another node's.
+            EtcdError: etcd could not be reached; ``info`` is kept for the next write.
+        """
+        if info.node_id != self.info.node_id:
+            raise ValueError(f"the record of {info.node_id} cannot replace {self.info.node_id}'s")
+        self.info = info
+        lease = self.lease_id
+        if not lease:
+            return False
+        put = Put(self.key, info.to_json(), lease=lease)
+        return self._client.txn([Compare(self.key, "lease", "==", lease)], [put]).succeeded
 
     def deregister(self) -> None:
         """Remove the node now: revoke the lease, which deletes the record."""

@@ -229,6 +229,7 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
             node_id=node,
             state=current[node].state.value if node in current else "assigned",
             ranks=current[node].ranks if node in current else [],
+            devices=current[node].devices if node in current else [],
             last_step=current[node].last_step if node in current else None,
             restart_count=current[node].restart_count if node in current else 0,
         )
@@ -481,15 +482,18 @@ def create_app(
         view = snap.view
         placed: dict[str, list[str]] = {}
         used: dict[str, int] = {}
+        gpus_used: dict[str, int] = {}
         for job_id, per_node in view.assignments.items():
             for node_id, a in per_node.items():
                 placed.setdefault(node_id, []).append(job_id)
                 used[node_id] = used.get(node_id, 0) + a.nproc_per_node
+                gpus_used[node_id] = gpus_used.get(node_id, 0) + a.gpus_per_node
         return [
             NodeView(
                 node_id=n.node_id, host=n.host, address=n.address,
                 state="draining" if n.node_id in view.draining else "live",
                 slots=n.slots, slots_used=used.get(n.node_id, 0), gpus=n.gpus,
+                gpus_used=gpus_used.get(n.node_id, 0), gpu_devices=n.gpu_devices,
                 labels=n.labels, jobs=sorted(placed.get(n.node_id, [])),
             )
             for n in sorted(view.nodes.values(), key=lambda n: n.node_id)

@@ -162,7 +162,10 @@ def rdzv_clean(
 @etcd_access_options
 @click.option("--node-id", help="This node's id (default: the hostname).")
 @click.option("--address", help="Address other nodes reach this one at.")
-@click.option("--slots", type=int, help="Worker processes this node may run.")
+@click.option("--slots", type=int, help="Worker processes this node may run (on a GPU "
+              "node: one per healthy GPU).")
+@click.option("--gpus", help="GPUs to offer: all (what NVML finds; the default), none, or "
+              "indices such as 0,1,3 (accepted without NVML).")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Logs and scratch.")
 @click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a silent node is gone.")

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from rendezvous.gpus import GpuInfo
 from rendezvous.records import (
     MAX_ARG_LEN,
     MAX_ARGV,
@@ -63,7 +64,7 @@ MAX_SPEC_BYTES = 256 * 1024
 RESERVED_ENV_PREFIXES = ("TIDAL_", "TORCHELASTIC_")
 RESERVED_ENV = frozenset(
     {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-     "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"}
+     "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
 )
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
@@ -193,7 +194,14 @@ class JobSpec(BaseModel):
     )
     min_nodes: int = Field(default=1, ge=1, le=MAX_NODES)
     max_nodes: int = Field(default=1, ge=1, le=MAX_NODES)
-    nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    nproc_per_node: int = Field(
+        default=1, ge=1, le=1024,
+        description="Worker processes per node; defaults to gpus_per_node when that is given.",
+    )
+    gpus_per_node: int = Field(
+        default=0, ge=0, le=1024,
+        description="GPUs each node gives the job (its workers see only those).",
+    )
     checkpoint_dir: RelPath | None = Field(
         default=None, description="Relative to the coordinator's checkpoint root."
     )
@@ -206,6 +214,16 @@ class JobSpec(BaseModel):
     grace_period_s: float = Field(
         default=30.0, gt=0, le=3600, description="SIGTERM to SIGKILL when a node leaves the job."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nproc_from_gpus(cls, data: object) -> object:
+        """One worker per GPU unless nproc_per_node says otherwise."""
+        if isinstance(data, dict) and "nproc_per_node" not in data:
+            gpus = data.get("gpus_per_node")
+            if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1:
+                return {**data, "nproc_per_node": gpus}
+        return data
 
     @field_validator("command")
     @classmethod
@@ -418,6 +436,7 @@ class SpecView(BaseModel):
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
+    gpus_per_node: int = 0
     checkpoint_dir: str | None
     max_restarts: int
     node_selector: dict[str, str]
@@ -435,6 +454,9 @@ class NodeInJob(BaseModel):
     node_id: str
     state: str
     ranks: list[int] = Field(default_factory=list)
+    devices: list[int] = Field(
+        default_factory=list, description="GPU indices the node's workers hold (NVML's)."
+    )
     last_step: int | None = None
     restart_count: int = 0
 
@@ -490,6 +512,10 @@ class NodeView(BaseModel):
     slots: int
     slots_used: int
     gpus: int
+    gpus_used: int = Field(default=0, description="GPUs the jobs placed here asked for.")
+    gpu_devices: list[GpuInfo] = Field(
+        default_factory=list, description="Each GPU: index, UUID, model, locality, health."
+    )
     labels: dict[str, str]
     jobs: list[str]
 

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from rendezvous.gpus import gpus_free
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus
 from rendezvous.registry import NodeInfo
 from service.models import (
@@ -98,6 +99,7 @@ def assignment_for(record: JobRecord, generation: int) -> Assignment:
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
+        gpus_per_node=spec.gpus_per_node,
         max_restarts=spec.max_restarts,
         checkpoint_dir=record.checkpoint_path,
         grace_period_s=spec.grace_period_s,
@@ -456,6 +458,9 @@ class _Planner:
             # the report belongs to no assignment, may assign it again.
             and node_id not in self.left.get(record.job_id, ())
             and all(info.labels.get(k) == v for k, v in selector.items())
+            # GPUs: healthy ones no job placed here asks for (rendezvous.gpus).
+            and (record.spec.gpus_per_node == 0 or gpus_free(
+                info, node_id, self.members.values()) >= record.spec.gpus_per_node)
         )
 
     def _grow(self, record: JobRecord, *, to_min_only: bool) -> None:

@@ -249,6 +249,10 @@ class LocalCluster:
         etcd_root: the key prefix in etcd.
         lease_ttl_s: seconds until a silent node counts as gone.
         slots: worker processes each agent may run.
+        gpus_per_agent: give each agent this many GPU indices, ``node-i`` the
+            i-th run of them (``--gpus``; NVML not needed), so that GPU
+            placement works on a machine without GPUs; None: each agent
+            finds its GPUs through NVML.
         ready_timeout_s: how long :meth:`start` and :meth:`add_agent` wait.
         stop_grace_s: how long :meth:`stop` waits for agents after SIGTERM.
         python: the interpreter the children run under.
@@ -270,6 +274,7 @@ class LocalCluster:
         etcd_root: str = DEFAULT_ETCD_ROOT,
         lease_ttl_s: int = LEASE_TTL_S,
         slots: int = 1,
+        gpus_per_agent: int | None = None,
         ready_timeout_s: float = 60.0,
         stop_grace_s: float = 15.0,
         python: str = sys.executable,
@@ -290,6 +295,9 @@ class LocalCluster:
         self.etcd_root = etcd_root
         self.lease_ttl_s = lease_ttl_s
         self.slots = slots
+        if gpus_per_agent is not None and not 0 <= gpus_per_agent <= 64:
+            raise ValueError(f"gpus_per_agent ({gpus_per_agent}) must be between 0 and 64")
+        self.gpus_per_agent = gpus_per_agent
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.python = python
@@ -560,8 +568,18 @@ class LocalCluster:
             "--metrics-host", "127.0.0.1",
             "--metrics-port", str(metrics_port),
             "--slots", str(self.slots),
+            *self._gpus_argv(node_id),
             "--ready-file", str(self._ready_file(node_id)),
         ]
+
+    def _gpus_argv(self, node_id: str) -> list[str]:
+        """``--gpus`` for ``node-i``: the i-th run of ``gpus_per_agent`` indices."""
+        if self.gpus_per_agent is None:
+            return []
+        count = self.gpus_per_agent
+        number = int(node_id.rpartition("-")[2])
+        first = (number - 1) * count
+        return ["--gpus", ",".join(str(i) for i in range(first, first + count)) or "none"]
 
     def _spawn(self, name: str, argv: list[str], *, run_dir: Path | None = None) -> _Child:
         log_path = self.logs_dir / f"{name}.log"

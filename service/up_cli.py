@@ -71,8 +71,13 @@ def _announce(cluster: LocalCluster, prometheus: LocalPrometheus | None = None) 
 @click.option("--prometheus", "with_prometheus", is_flag=True, default=False,
               help="Also run a local Prometheus (the `prometheus` binary on PATH) scraping the "
               "coordinator and every agent, with tidal's alerting rules; prints its URL.")
+@click.option("--gpus-per-agent", type=click.IntRange(0, 64), default=None,
+              help="Give each agent this many GPU indices (node-1: 0..N-1, node-2: N..2N-1), "
+              "NVML or not: GPU placement on a machine without GPUs (default: each agent "
+              "finds its GPUs).")
 def up_command(
     agent_count: int,
+    gpus_per_agent: int | None,
     state_dir: Path | None,
     workdir_root: Path | None,
     checkpoint_root: Path | None,
@@ -90,6 +95,7 @@ def up_command(
         cluster = LocalCluster(
             state_dir=state_dir or default_state_dir(),
             agents=agent_count,
+            gpus_per_agent=gpus_per_agent,
             workdir_root=workdir_root,
             checkpoint_root=checkpoint_root,
             token=os.environ.get("TIDAL_TOKEN") or None,

@@ -201,7 +201,7 @@ def test_an_etcd_outage_longer_than_the_ttl_is_survived_by_registering_again(
     [
         ({"node_id": "../x"}, "node id '../x' is not valid"),
         ({"node_id": ""}, "node id '' is not valid"),
-        ({"node_id": "n", "slots": 0}, "greater than or equal to 1"),
+        ({"node_id": "n", "slots": -1}, "greater than or equal to 0"),
         ({"node_id": "n", "gpus": -1}, "greater than or equal to 0"),
         ({"node_id": "n", "host": "a b"}, "is not a host name"),
         ({"node_id": "n", "labels": {"bad key": "v"}}, "label key 'bad key'"),

@@ -77,7 +77,7 @@ def test_max_nodes_defaults_to_min_nodes_and_a_command_may_come_from_the_command
 
 
 @pytest.mark.parametrize(("text", "wanted"), [
-    ("command: [x]\ngpus: 2\n", "job.yaml:2: unknown key 'gpus' (GPUs are not scheduled yet"),
+    ("command: [x]\ngpus: 2\n", "job.yaml:2: unknown key 'gpus' (the key is gpus_per_node)"),
     ("command: [x]\nqueue: big\n", "job.yaml:2: unknown key 'queue' (queues do not exist yet"),
     ("command: [x]\nlabels: {a: b}\n", "job.yaml:2: unknown key 'labels' (the key is node_"),
     ("command: [x]\n\nmax_node: 2\n", "job.yaml:3: unknown key 'max_node' (did you mean max_"),
