@@ -648,14 +648,20 @@ def test_client_authenticates_again_after_etcd_restarts(
 def test_client_authenticates_through_a_live_member_when_another_is_down(
     restartable_auth_etcd: tuple[EtcdServer, Passwords]
 ) -> None:
-    """The first endpoint tried is random: start enough clients to try both orders."""
+    """The first endpoint tried is random: clients are started until both orders
+    were tried (a client that tried the dead member first has it quarantined)."""
     server, passwords = restartable_auth_etcd
     dead = f"127.0.0.1:{free_port()}"
     config = EtcdConfig(endpoints=[dead, server.endpoint], timeout_s=TIMEOUT_S,
                         user="tidal-agent", password=passwords.of("tidal-agent"))  # type: ignore[arg-type]
-    for i in range(6):
+    tried_dead_first = set()
+    for i in range(64):  # both orders are missed 64 times in a row once in 2**63
         with create_client(config) as agent:
+            tried_dead_first.add(agent._client.picker.quarantined_for(dead) > 0)
             agent.put(agent.keys.node(f"one-down-{i}"), b"{}")
+        if tried_dead_first == {True, False}:
+            break
+    assert tried_dead_first == {True, False}, tried_dead_first
 
 
 # real processes ------------------------------------------------------------------------
