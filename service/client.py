@@ -1,239 +1,176 @@
-"""A small typed client of the coordinator's HTTP API, and where to find a cluster.
+"""tidal's Python client: drive a cluster from code, as the ``tidal`` command does.
 
-:class:`TidalClient` wraps one ``httpx.Client``: one method per endpoint,
-answers parsed into the models of :mod:`service.models`. Every failure is one
-:class:`ApiError`: the server's own ``error`` text for a non-2xx answer, or a
-sentence saying the coordinator could not be reached (``status`` 0), never a
-transport exception.
+::
 
-:func:`resolve_target` decides which coordinator a command talks to and with
-which token: flags, then ``TIDAL_URL`` / ``TIDAL_TOKEN`` / ``TIDAL_TOKEN_FILE``,
-then the ``cluster.json`` that ``tidal up`` writes into its state directory.
+    from service.client import Client
 
-This module is imported by the command line only; it never imports torch or
-the agent.
+    with Client() as tidal:  # TIDAL_URL / TIDAL_TOKEN, else the cluster `tidal up` started
+        job = tidal.submit(name="train", command=["python", "train.py"], max_nodes=4)
+        for line in tidal.logs(job.job_id, follow=True):
+            print(line)
+        done = tidal.wait(job.job_id, check=True)  # raises JobFailedError if it failed
+
+:class:`Client` has one method per thing a user does (submit, get, list,
+wait, logs, events, scale, cancel, drain, undrain, nodes) and answers with the
+API's own pydantic models (:class:`~service.models.JobView`,
+:class:`~service.models.EventList`, :class:`~service.models.NodeView`).
+:class:`AsyncClient` is its twin for asyncio: the same methods, awaited (its
+``logs`` is an async iterator).
+
+Every failure is one of :mod:`service.errors`, never a transport exception:
+:class:`RefusedError` (and its subclasses :class:`NotFoundError`,
+:class:`ConflictError`, ...) when the coordinator said no,
+:class:`UnavailableError` when it could not be reached or failed,
+:class:`NotConfiguredError` when no coordinator is configured. Each carries
+the exit code the ``tidal`` command line exits with for it.
+
+Both clients share what a call is (:class:`_Call`: method, path, body, the
+model of its answer) and how an answer or a transport failure becomes a result
+or an error (:class:`_Base`); they differ only in how they send. This module
+never imports torch or the agent.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterator, Mapping
+import asyncio
+import builtins
+import re
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
+from service.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_JOB_CANCELLED,
+    EXIT_JOB_FAILED,
+    EXIT_NOT_CONFIGURED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    PHASE_EXIT,
+    ApiError,
+    ConflictError,
+    ForbiddenError,
+    InvalidRequestError,
+    InvalidSpecError,
+    JobCancelledError,
+    JobEndedError,
+    JobFailedError,
+    NotConfiguredError,
+    NotFoundError,
+    RefusedError,
+    TidalError,
+    UnauthorizedError,
+    UnavailableError,
+    WaitTimeoutError,
+    api_error,
+    check_outcome,
+    exit_code,
+)
 from service.models import EventList, JobList, JobPhase, JobSpec, JobView, NodeView
+from service.target import (
+    CLUSTER_FILE,
+    AgentEntry,
+    ClusterFile,
+    Target,
+    TargetError,
+    default_state_dir,
+    load_cluster,
+    resolve_target,
+)
 
-CLUSTER_FILE = "cluster.json"
+__all__ = [
+    "CLUSTER_FILE", "EXIT_INTERRUPTED", "EXIT_JOB_CANCELLED", "EXIT_JOB_FAILED",
+    "EXIT_NOT_CONFIGURED", "EXIT_OK", "EXIT_REFUSED", "EXIT_TIMEOUT", "EXIT_UNREACHABLE",
+    "EXIT_USAGE", "PHASE_EXIT", "AgentEntry", "ApiError", "AsyncClient", "Client",
+    "ClusterFile", "ConflictError", "ForbiddenError", "InvalidRequestError",
+    "InvalidSpecError", "JobCancelledError", "JobEndedError", "JobFailedError",
+    "NotConfiguredError", "NotFoundError", "RefusedError", "Target", "TargetError",
+    "TidalClient", "TidalError", "UnauthorizedError", "UnavailableError", "WaitTimeoutError",
+    "build_spec", "check_outcome", "default_name", "default_state_dir", "exit_code",
+    "load_cluster", "resolve_target",
+]
+
 DEFAULT_TIMEOUT_S = 10.0
 # A coordinator that does not accept a connection within this is down or
 # unreachable; there is no point waiting the full request timeout for it.
 MAX_CONNECT_TIMEOUT_S = 5.0
-M = TypeVar("M", bound=BaseModel)
+POLL_INTERVAL_S = 0.5
+# While waiting for a job, a coordinator that restarts or loses etcd for a
+# moment is waited for this long before the wait gives up.
+OUTAGE_TOLERANCE_S = 30.0
+USER_AGENT = "tidal-client"
+# Seconds without a byte (the coordinator sends a keep-alive every 15 s) before a
+# followed log is given up as a dead connection.
+LOGS_FOLLOW_READ_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
+
+_JOB_VIEW: TypeAdapter[JobView] = TypeAdapter(JobView)
+_JOB_LIST: TypeAdapter[JobList] = TypeAdapter(JobList)
+_EVENT_LIST: TypeAdapter[EventList] = TypeAdapter(EventList)
+_NODE_VIEW: TypeAdapter[NodeView] = TypeAdapter(NodeView)
 _NODE_LIST: TypeAdapter[list[NodeView]] = TypeAdapter(list[NodeView])
 
 
-class ApiError(Exception):
-    """A call to the coordinator that did not succeed.
-
-    Attributes:
-        status: the HTTP status, or 0 when no answer came (connection refused,
-            timeout, a malformed answer).
-        message: the server's ``error`` text, or a sentence saying what failed.
-        detail: the server's ``detail`` list (field errors of a 422), if any.
-    """
-
-    def __init__(
-        self, status: int, message: str, *, detail: list[dict[str, Any]] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.detail = detail or []
-
-    @property
-    def unreachable(self) -> bool:
-        """True when the coordinator gave no (usable) answer at all."""
-        return self.status == 0
-
-    @property
-    def transient(self) -> bool:
-        """True when trying again later may succeed (no answer, or a 5xx)."""
-        return self.status == 0 or self.status >= 500
+# job specs -----------------------------------------------------------------------------
 
 
-class TargetError(Exception):
-    """No coordinator is configured, or its configuration cannot be read."""
+def default_name(command: list[str] | tuple[str, ...]) -> str:
+    """A job name from its command: ``python train.py`` -> ``train``."""
+    words = list(command)
+    if words and re.match(r"^(python[0-9.]*|torchrun|uv|poetry)$", Path(words[0]).name):
+        rest = [w for w in words[1:] if not w.startswith("-")]
+        words = rest or words
+    stem = Path(words[0]).stem if words else "job"
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:40]
+    return name or "job"
 
 
-class AgentEntry(BaseModel):
-    """One agent of a local cluster, as ``tidal up`` records it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    node_id: str
-    pid: int | None = None
-    run_dir: Path
-    metrics_port: int | None = None
-
-
-class ClusterFile(BaseModel):
-    """``STATE_DIR/cluster.json``, written by ``tidal up``; only read here."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    url: str
-    token_file: Path | None = None
-    etcd_endpoint: str | None = None
-    etcd_root: str | None = None
-    state_dir: Path | None = None
-    coordinator_pid: int | None = None
-    etcd_pid: int | None = None
-    agents: list[AgentEntry] = Field(default_factory=list)
+def spec_error(exc: ValidationError) -> InvalidSpecError:
+    """An invalid job spec as one sentence naming each field; values are never
+    echoed (an ``env`` value may be a secret)."""
+    fields = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'job'}: {err['msg']}"
+        for err in exc.errors()[:5]
+    )
+    return InvalidSpecError(f"invalid job: {fields}")
 
 
-@dataclass(frozen=True)
-class Target:
-    """A coordinator to talk to.
+def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any) -> JobSpec:
+    """A validated job spec from a spec or mapping with ``fields`` over it.
 
-    Attributes:
-        url: its base URL, without a trailing slash.
-        token: the bearer token; None sends none (a server run with
-            ``--insecure-no-auth``).
-        url_source: where the URL came from ("--url", "TIDAL_URL" or the
-            cluster file's path), for messages.
-        cluster: the state directory's cluster file, when there is one.
-        cluster_path: where that file is (or would be).
-    """
-
-    url: str
-    token: str | None
-    url_source: str
-    cluster: ClusterFile | None
-    cluster_path: Path
-
-
-def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``$TIDAL_HOME``, else ``~/.tidal``: where ``tidal up`` keeps a local cluster."""
-    env = os.environ if environ is None else environ
-    home = env.get("TIDAL_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".tidal"
-
-
-def load_cluster(state_dir: Path) -> ClusterFile | None:
-    """The cluster file in ``state_dir``; None when there is none.
+    A missing ``name`` comes from the command (:func:`default_name`), as on the
+    command line. Fields left out stay unset, so the coordinator's defaults apply.
 
     Raises:
-        TargetError: the file exists but cannot be read or is not a cluster file.
+        InvalidSpecError: a field is missing or invalid (exit 2); nothing was sent.
     """
-    path = state_dir / CLUSTER_FILE
+    if isinstance(spec, JobSpec):
+        base: dict[str, Any] = spec.model_dump(exclude_unset=True)
+    else:
+        base = dict(spec or {})
+    base.update(fields)
+    if "name" not in base and isinstance(base.get("command"), (list, tuple)):
+        base["name"] = default_name(base["command"])
+    if "max_nodes" not in base and isinstance(base.get("min_nodes"), int):
+        base["max_nodes"] = base["min_nodes"]  # as `tidal submit`: a fixed size unless told
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise TargetError(f"cannot read the cluster file {path}: {exc}") from exc
-    try:
-        return ClusterFile.model_validate_json(text)
+        return JobSpec.model_validate(base)
     except ValidationError as exc:
-        fields = ", ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'file'}: {err['msg']}"
-            for err in exc.errors()[:3]
-        )
-        raise TargetError(f"the cluster file {path} is not valid ({fields})") from exc
+        raise spec_error(exc) from None
 
 
-def _read_token_file(path: Path, *, source: str) -> str:
-    try:
-        token = path.expanduser().read_text().strip()
-    except OSError as exc:
-        raise TargetError(f"cannot read the token file {path} (from {source}): {exc}") from exc
-    if not token:
-        raise TargetError(f"the token file {path} (from {source}) is empty")
-    return token
-
-
-def _check_url(url: str, *, source: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise TargetError(f"the coordinator URL {url!r} (from {source}) must start with "
-                          "http:// or https://")
-    return url
-
-
-def resolve_target(
-    url_flag: str | None,
-    token_flag: str | None,
-    state_dir: Path | None,
-    *,
-    environ: Mapping[str, str] | None = None,
-) -> Target:
-    """Which coordinator to talk to, and with which token.
-
-    The URL comes from ``url_flag``, else ``TIDAL_URL``, else the cluster file
-    in ``state_dir`` (default :func:`default_state_dir`). The token comes from
-    ``token_flag``, else ``TIDAL_TOKEN``, else the file named by
-    ``TIDAL_TOKEN_FILE``, else the cluster file's ``token_file``; the cluster
-    file's token is used only for the cluster file's own URL, so a local
-    cluster's token is never sent to another server.
-
-    Args:
-        url_flag: ``--url``, if given.
-        token_flag: ``--token``, if given.
-        state_dir: ``--state-dir``, if given.
-        environ: the environment to read (default ``os.environ``).
-
-    Returns:
-        The target; its token is None when none was found (a server without
-        authentication accepts that, any other answers 401).
-
-    Raises:
-        TargetError: no URL anywhere, an unreadable token or cluster file, or a
-            URL that is not http(s).
-    """
-    env = os.environ if environ is None else environ
-    state = state_dir if state_dir is not None else default_state_dir(env)
-    cluster_path = state / CLUSTER_FILE
-    try:
-        cluster = load_cluster(state)
-    except TargetError:
-        if not (url_flag or env.get("TIDAL_URL")):
-            raise
-        cluster = None  # not needed: a broken local cluster file must not block --url
-    if url_flag:
-        url, url_source = _check_url(url_flag, source="--url"), "--url"
-    elif env.get("TIDAL_URL"):
-        url, url_source = _check_url(env["TIDAL_URL"], source="TIDAL_URL"), "TIDAL_URL"
-    elif cluster is not None:
-        url, url_source = _check_url(cluster.url, source=str(cluster_path)), str(cluster_path)
-    else:
-        raise TargetError(
-            f"no tidal coordinator configured: pass --url (or set TIDAL_URL), or start a "
-            f"local cluster with `tidal up` (no cluster file at {cluster_path})"
-        )
-    token: str | None
-    if token_flag:
-        token = token_flag.strip()
-    elif env.get("TIDAL_TOKEN"):
-        token = env["TIDAL_TOKEN"].strip()
-    elif env.get("TIDAL_TOKEN_FILE"):
-        token = _read_token_file(Path(env["TIDAL_TOKEN_FILE"]), source="TIDAL_TOKEN_FILE")
-    elif (
-        cluster is not None
-        and cluster.token_file is not None
-        and _check_url(cluster.url, source=str(cluster_path)) == url
-    ):
-        token = _read_token_file(cluster.token_file, source=str(cluster_path))
-    else:
-        token = None
-    return Target(url=url, token=token, url_source=url_source, cluster=cluster,
-                  cluster_path=cluster_path)
+# calls ---------------------------------------------------------------------------------
 
 
 def _job_path(job_id: str, suffix: str = "") -> str:
@@ -245,148 +182,176 @@ def _node_path(node_id: str) -> str:
     return f"/v1/nodes/{quote(node_id, safe='')}/drain"
 
 
-class TidalClient:
-    """The coordinator's API over HTTP.
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    """One API call: what to send and the model of the answer."""
+
+    method: str
+    path: str
+    answer: TypeAdapter[T]
+    json: Any = None
+    params: Mapping[str, str | int] | None = None
+
+
+def _submit(spec: JobSpec) -> _Call[JobView]:
+    return _Call("POST", "/v1/jobs", _JOB_VIEW,
+                 json=spec.model_dump(mode="json", exclude_unset=True))
+
+
+def _get(job_id: str) -> _Call[JobView]:
+    return _Call("GET", _job_path(job_id), _JOB_VIEW)
+
+
+def _events(job_id: str) -> _Call[EventList]:
+    return _Call("GET", _job_path(job_id, "/events"), _EVENT_LIST)
+
+
+def _cancel(job_id: str) -> _Call[JobView]:
+    return _Call("POST", _job_path(job_id, "/cancel"), _JOB_VIEW)
+
+
+def _nodes() -> _Call[list[NodeView]]:
+    return _Call("GET", "/v1/nodes", _NODE_LIST)
+
+
+def _drain(node_id: str, *, on: bool) -> _Call[NodeView]:
+    return _Call("POST" if on else "DELETE", _node_path(node_id), _NODE_VIEW)
+
+
+def _phase(phase: JobPhase | str) -> JobPhase:
+    try:
+        return JobPhase(str(getattr(phase, "value", phase)).upper())
+    except ValueError:
+        raise ValueError(f"phase {phase!r} is not one of "
+                         f"{', '.join(p.value for p in JobPhase)}") from None
+
+
+def _list_page(phase: JobPhase | str | None, limit: int | None, cursor: str | None
+               ) -> _Call[JobList]:
+    params: dict[str, str | int] = {}
+    if phase is not None:
+        params["phase"] = _phase(phase).value
+    if limit is not None:
+        params["limit"] = limit
+    if cursor is not None:
+        params["cursor"] = cursor
+    return _Call("GET", "/v1/jobs", _JOB_LIST, params=params)
+
+
+def _scale(job_id: str, min_nodes: int | None, max_nodes: int | None) -> _Call[JobView]:
+    body = {k: v for k, v in (("min_nodes", min_nodes), ("max_nodes", max_nodes))
+            if v is not None}
+    return _Call("PATCH", _job_path(job_id), _JOB_VIEW, json=body)
+
+
+def logs_params(
+    *, node: str | None, rank: int | None, tail: int | None, follow: bool
+) -> dict[str, str | int]:
+    """The query of ``GET /v1/jobs/{id}/logs`` (both clients' ``logs``)."""
+    params: dict[str, str | int] = {}
+    if node is not None:
+        params["node"] = node
+    if rank is not None:
+        params["rank"] = rank
+    if tail is not None:
+        params["tail"] = tail
+    if follow:
+        params["follow"] = "true"
+    return params
+
+
+# waiting -------------------------------------------------------------------------------
+
+
+@dataclass
+class Waiter:
+    """What a wait for a job's end does after each poll; the clock is passed in.
 
     Args:
-        url: the coordinator's base URL (``http://HOST:PORT``).
-        token: the bearer token; None sends no ``Authorization`` header.
-        timeout: seconds for each request (connecting takes at most 5 s of it).
-        transport: an httpx transport to use instead of the network (tests).
-
-    Every method raises :class:`ApiError` when the call did not succeed.
+        job_id: the job waited for.
+        started: the clock's time when the wait began.
+        timeout: seconds after ``started`` to give up (None: never).
+        outage_tolerance: seconds a coordinator may give no answer (or 5xx)
+            in a row before the wait gives up with that error.
     """
 
+    job_id: str
+    started: float
+    timeout: float | None = None
+    outage_tolerance: float = OUTAGE_TOLERANCE_S
+    last: JobView | None = None
+    outage_since: float | None = None
+
+    def seen(self, view: JobView) -> bool:
+        """Record an answer; True when the job has ended."""
+        self.last = view
+        self.outage_since = None
+        return view.phase.is_terminal()
+
+    def failed(self, exc: ApiError, now: float) -> None:
+        """Record a failed poll.
+
+        Raises:
+            ApiError: ``exc`` itself when it is a refusal (retrying will not
+                help) or the coordinator has been away too long.
+        """
+        if not exc.transient:
+            raise exc
+        if self.outage_since is None:
+            self.outage_since = now
+        if now - self.outage_since > self.outage_tolerance:
+            raise exc
+
+    def check_deadline(self, now: float) -> None:
+        """Raises:
+        WaitTimeoutError: the timeout has passed (the job goes on)."""
+        if self.timeout is not None and now - self.started >= self.timeout:
+            phase = f" (it is {self.last.phase.value})" if self.last is not None else ""
+            raise WaitTimeoutError(
+                f"job {self.job_id} did not finish within {self.timeout:g} s{phase}; it goes on",
+                job_id=self.job_id, last=self.last)
+
+
+# the clients ---------------------------------------------------------------------------
+
+
+class _Base:
+    """What both clients share: configuration, headers, and turning answers into
+    results and failures into :mod:`service.errors`."""
+
     def __init__(
-        self,
-        url: str,
-        token: str | None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        transport: httpx.BaseTransport | None = None,
+        self, url: str | None, token: str | None, *, state_dir: Path | str | None, timeout: float,
     ) -> None:
-        self.url = url.rstrip("/")
+        target = resolve_target(url, token, None if state_dir is None else Path(state_dir))
+        self.url = target.url
+        self.target = target
         self.timeout = timeout
-        headers = {"Accept": "application/json", "User-Agent": "tidal-cli"}
-        if token is not None:
-            headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, MAX_CONNECT_TIMEOUT_S)),
-            transport=transport,
-            follow_redirects=False,
-        )
+        self._headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+        if target.token is not None:
+            self._headers["Authorization"] = f"Bearer {target.token}"
+        self._timeouts = httpx.Timeout(timeout, connect=min(timeout, MAX_CONNECT_TIMEOUT_S))
 
-    def __enter__(self) -> TidalClient:
-        return self
+    def _http_options(self) -> dict[str, Any]:
+        return {"base_url": self.url, "headers": self._headers, "timeout": self._timeouts,
+                "follow_redirects": False}
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    def _stream_timeouts(self, follow: bool) -> httpx.Timeout:
+        # Following, the coordinator sends an empty line after 15 s of silence:
+        # a minute without one is a dead connection, not a quiet job.
+        read = max(self.timeout, LOGS_FOLLOW_READ_TIMEOUT_S) if follow else self.timeout
+        return httpx.Timeout(self.timeout, connect=min(self.timeout, MAX_CONNECT_TIMEOUT_S),
+                             read=read)
 
-    def close(self) -> None:
-        self._http.close()
-
-    # jobs ------------------------------------------------------------------------------
-
-    def submit(self, spec: JobSpec) -> JobView:
-        """``POST /v1/jobs``: the new job, PENDING."""
-        body = spec.model_dump(mode="json", exclude_unset=True)
-        return self._parse(JobView, self._call("POST", "/v1/jobs", json=body))
-
-    def list_jobs(
-        self, *, phase: JobPhase | None = None, limit: int | None = None,
-        cursor: str | None = None,
-    ) -> JobList:
-        """``GET /v1/jobs``: one page of jobs, oldest first."""
-        params: dict[str, str | int] = {}
-        if phase is not None:
-            params["phase"] = phase.value
-        if limit is not None:
-            params["limit"] = limit
-        if cursor is not None:
-            params["cursor"] = cursor
-        return self._parse(JobList, self._call("GET", "/v1/jobs", params=params))
-
-    def iter_jobs(self, *, phase: JobPhase | None = None, page_size: int = 500
-                  ) -> Iterator[JobView]:
-        """Every job, page after page, oldest first."""
-        cursor: str | None = None
-        seen: set[str] = set()
-        while True:
-            page = self.list_jobs(phase=phase, limit=page_size, cursor=cursor)
-            yield from page.jobs
-            if page.next_cursor is None or page.next_cursor in seen:
-                return
-            seen.add(page.next_cursor)
-            cursor = page.next_cursor
-
-    def get_job(self, job_id: str) -> JobView:
-        """``GET /v1/jobs/{id}``."""
-        return self._parse(JobView, self._call("GET", _job_path(job_id)))
-
-    def scale(
-        self, job_id: str, *, min_nodes: int | None = None, max_nodes: int | None = None
-    ) -> JobView:
-        """``PATCH /v1/jobs/{id}``: new bounds; the server checks them against each other."""
-        body = {k: v for k, v in (("min_nodes", min_nodes), ("max_nodes", max_nodes))
-                if v is not None}
-        return self._parse(JobView, self._call("PATCH", _job_path(job_id), json=body))
-
-    def cancel(self, job_id: str) -> JobView:
-        """``POST /v1/jobs/{id}/cancel``: the job with ``cancel_requested`` set."""
-        return self._parse(JobView, self._call("POST", _job_path(job_id, "/cancel")))
-
-    def events(self, job_id: str) -> EventList:
-        """``GET /v1/jobs/{id}/events``: the job's history, by sequence number."""
-        return self._parse(EventList, self._call("GET", _job_path(job_id, "/events")))
-
-    # nodes -----------------------------------------------------------------------------
-
-    def nodes(self) -> list[NodeView]:
-        """``GET /v1/nodes``: the live nodes."""
-        data = self._call("GET", "/v1/nodes")
-        try:
-            return _NODE_LIST.validate_python(data)
-        except ValidationError as exc:
-            raise self._malformed(exc) from exc
-
-    def drain(self, node_id: str) -> NodeView:
-        """``POST /v1/nodes/{id}/drain``."""
-        return self._parse(NodeView, self._call("POST", _node_path(node_id)))
-
-    def undrain(self, node_id: str) -> NodeView:
-        """``DELETE /v1/nodes/{id}/drain``."""
-        return self._parse(NodeView, self._call("DELETE", _node_path(node_id)))
-
-    # plumbing --------------------------------------------------------------------------
-
-    def _call(
-        self, method: str, path: str, *, json: Any = None,
-        params: Mapping[str, str | int] | None = None,
-    ) -> Any:
-        try:
-            response = self._http.request(method, path, json=json, params=params)
-        except httpx.TimeoutException as exc:
-            raise ApiError(0, f"the coordinator at {self.url} did not answer within "
-                              f"{self.timeout:g} s ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
-            reason = str(exc) or type(exc).__name__
-            raise ApiError(0, f"cannot reach the coordinator at {self.url}: {reason}") from exc
-        if not response.is_success:
-            raise self._refusal(response)
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise ApiError(0, f"the coordinator at {self.url} answered {method} {path} "
-                              "with something that is not JSON") from exc
+    def _transport_failure(self, exc: httpx.HTTPError) -> UnavailableError:
+        if isinstance(exc, httpx.TimeoutException):
+            return UnavailableError(f"the coordinator at {self.url} did not answer within "
+                                    f"{self.timeout:g} s ({type(exc).__name__})", status=0)
+        reason = str(exc) or type(exc).__name__
+        return UnavailableError(f"cannot reach the coordinator at {self.url}: {reason}",
+                                status=0)
 
     def _refusal(self, response: httpx.Response) -> ApiError:
+        """The error for a non-2xx answer (its body must have been read)."""
         status = response.status_code
         try:
             body = response.json()
@@ -394,29 +359,401 @@ class TidalClient:
             body = None
         if isinstance(body, dict) and isinstance(body.get("error"), str):
             detail = body.get("detail")
-            return ApiError(status, body["error"],
-                            detail=detail if isinstance(detail, list) else None)
+            return api_error(status, body["error"],
+                             detail=detail if isinstance(detail, list) else None)
         text = " ".join(response.text.split())[:200]
-        return ApiError(status, f"HTTP {status} from {self.url}"
-                                + (f": {text}" if text else ""))
+        return api_error(status, f"HTTP {status} from {self.url}" + (f": {text}" if text else ""))
 
-    def _malformed(self, exc: ValidationError) -> ApiError:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid"}
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        return ApiError(0, f"the coordinator at {self.url} sent an answer this client does "
-                           f"not understand ({where}: {first['msg']}); are the versions the same?")
-
-    def _parse(self, model: type[M], data: Any) -> M:
+    def _answer(self, call: _Call[T], response: httpx.Response) -> T:
+        if not response.is_success:
+            raise self._refusal(response)
         try:
-            return model.model_validate(data)
+            data = response.json()
+        except ValueError as exc:
+            raise UnavailableError(f"the coordinator at {self.url} answered {call.method} "
+                                   f"{call.path} with something that is not JSON",
+                                   status=0) from exc
+        try:
+            return call.answer.validate_python(data)
         except ValidationError as exc:
-            raise self._malformed(exc) from exc
+            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid"}
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise UnavailableError(
+                f"the coordinator at {self.url} sent an answer this client does not "
+                f"understand ({where}: {first['msg']}); are the versions the same?",
+                status=0) from exc
 
 
-def dump_json(data: BaseModel | list[BaseModel] | dict[str, Any]) -> str:
-    """Models (or lists of them) as the API's JSON, for ``--json`` output."""
-    if isinstance(data, BaseModel):
-        return data.model_dump_json(indent=2)
-    if isinstance(data, list):
-        return json.dumps([item.model_dump(mode="json") for item in data], indent=2)
-    return json.dumps(data, indent=2, default=str)
+class Client(_Base):
+    """tidal's API over HTTP, one blocking call per method.
+
+    Args:
+        url: the coordinator's base URL (``http://HOST:PORT``); default
+            ``TIDAL_URL``, else the cluster file of ``tidal up``.
+        token: the bearer token; default ``TIDAL_TOKEN``, ``TIDAL_TOKEN_FILE``,
+            else the cluster file's (for its own URL only).
+        state_dir: where ``tidal up`` keeps ``cluster.json`` (default
+            ``$TIDAL_HOME``, else ``~/.tidal``).
+        timeout: seconds for each request (connecting takes at most 5 s of it).
+        transport: an httpx transport to use instead of the network (tests).
+
+    Raises:
+        NotConfiguredError: no URL anywhere, or an unreadable token or cluster file.
+
+    Every method raises a :class:`ApiError` subclass when the call did not
+    succeed: :class:`RefusedError` (4xx) or :class:`UnavailableError`. Use it
+    as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        state_dir: Path | str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(url, token, state_dir=state_dir, timeout=timeout)
+        self._http = httpx.Client(transport=transport, **self._http_options())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._http.close()
+
+    def _run(self, call: _Call[T]) -> T:
+        try:
+            response = self._http.request(call.method, call.path, json=call.json,
+                                          params=call.params)
+        except httpx.HTTPError as exc:
+            raise self._transport_failure(exc) from exc
+        return self._answer(call, response)
+
+    # jobs ------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any
+               ) -> JobView:
+        """Submit a job; it starts once ``min_nodes`` nodes are free.
+
+        ``client.submit(name="train", command=["python", "train.py"], max_nodes=4)``,
+        or a :class:`JobSpec` / mapping (a parsed job file) with ``fields`` over it.
+        See :func:`build_spec` for the defaults.
+
+        Returns:
+            The new job, PENDING; its ``job_id`` names it from now on.
+
+        Raises:
+            InvalidSpecError: the spec is invalid (nothing was sent).
+            RefusedError: the coordinator refused it (e.g. a path outside its roots).
+        """
+        return self._run(_submit(build_spec(spec, **fields)))
+
+    def get(self, job_id: str) -> JobView:
+        """One job: phase, world size, nodes, restarts, progress, error.
+
+        Raises:
+            NotFoundError: there is no such job.
+        """
+        return self._run(_get(job_id))
+
+    get_job = get  # the command line's name for it
+
+    def list_page(self, *, phase: JobPhase | str | None = None, limit: int | None = None,
+                  cursor: str | None = None) -> JobList:
+        """One page of jobs, oldest first; its ``next_cursor`` asks for the next."""
+        return self._run(_list_page(phase, limit, cursor))
+
+    def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
+                  ) -> Iterator[JobView]:
+        """Every job, oldest first, a page at a time."""
+        cursor: str | None = None
+        seen: set[str] = set()
+        while True:
+            page = self.list_page(phase=phase, limit=page_size, cursor=cursor)
+            yield from page.jobs
+            if page.next_cursor is None or page.next_cursor in seen:
+                return
+            seen.add(page.next_cursor)
+            cursor = page.next_cursor
+
+    def list(self, *, phase: JobPhase | str | None = None) -> builtins.list[JobView]:
+        """Every job (in ``phase``, e.g. ``"RUNNING"``), oldest first."""
+        return builtins.list(self.iter_jobs(phase=phase))
+
+    def wait(
+        self, job_id: str, *, timeout: float | None = None, check: bool = False,
+        poll_interval: float = POLL_INTERVAL_S,
+    ) -> JobView:
+        """Until the job ends; its final view.
+
+        A coordinator that is away for a moment (a restart, etcd lost) is
+        waited for up to 30 s in a row.
+
+        Args:
+            job_id: the job.
+            timeout: seconds to wait at most (None: as long as it takes).
+            check: raise :class:`JobFailedError` / :class:`JobCancelledError`
+                unless the job SUCCEEDED (as ``subprocess.run(check=True)``).
+            poll_interval: seconds between polls.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first; the job goes on (exit 7).
+            JobFailedError, JobCancelledError: with ``check``, the job did not succeed.
+            NotFoundError: there is no such job.
+        """
+        waiter = Waiter(job_id, time.monotonic(), timeout)
+        while True:
+            try:
+                if waiter.seen(self.get(job_id)):
+                    assert waiter.last is not None
+                    return check_outcome(waiter.last) if check else waiter.last
+            except ApiError as exc:
+                waiter.failed(exc, time.monotonic())
+            waiter.check_deadline(time.monotonic())
+            time.sleep(poll_interval)
+
+    def logs(
+        self, job_id: str, *, node: str | None = None, rank: int | None = None,
+        tail: int | None = None, follow: bool = False,
+    ) -> Iterator[str]:
+        """The job's workers' output, a line at a time, read by the coordinator from
+        the nodes' agents (service.logs); works from any machine that reaches it.
+
+        Each line is prefixed ``[NODE rRANK] `` (``RANK``: the worker's index on its
+        node); the coordinator's own news (a node that is gone, an agent that cannot
+        be reached, a node's new attempt) are lines starting ``[tidal] ``.
+
+        Args:
+            job_id: the job.
+            node: only this node's workers.
+            rank: only this local rank.
+            tail: only the last ``tail`` lines of each worker's newest attempt.
+            follow: keep yielding new lines until the job ends (and its nodes'
+                last lines are in).
+
+        Raises:
+            NotFoundError: there is no such job.
+            UnavailableError: the coordinator could not be reached, or the
+                stream broke off.
+        """
+        params = logs_params(node=node, rank=rank, tail=tail, follow=follow)
+        try:
+            with self._http.stream(
+                "GET", _job_path(job_id, "/logs"), params=params,
+                headers={"Accept": "text/plain"}, timeout=self._stream_timeouts(follow),
+            ) as response:
+                if not response.is_success:
+                    response.read()
+                    raise self._refusal(response)
+                for line in response.iter_lines():
+                    if line:  # an empty line is the coordinator's keep-alive
+                        yield line
+        except httpx.HTTPError as exc:
+            raise self._transport_failure(exc) from exc
+
+    def events(self, job_id: str) -> EventList:
+        """The job's history, oldest first: every phase change and resize, with its reason."""
+        return self._run(_events(job_id))
+
+    def scale(self, job_id: str, *, min_nodes: int | None = None, max_nodes: int | None = None
+              ) -> JobView:
+        """New bounds for the job's size; it resizes from its last checkpoint.
+
+        Raises:
+            InvalidRequestError: ``min_nodes`` greater than ``max_nodes``.
+            ConflictError: the job has ended or is being cancelled.
+        """
+        return self._run(_scale(job_id, min_nodes, max_nodes))
+
+    def cancel(self, job_id: str) -> JobView:
+        """Cancel the job: its workers get SIGTERM (time to checkpoint), then SIGKILL.
+
+        Returns once the cancel is recorded (``cancel_requested``); :meth:`wait`
+        waits for CANCELLED.
+
+        Raises:
+            ConflictError: the job has already ended.
+        """
+        return self._run(_cancel(job_id))
+
+    # nodes -----------------------------------------------------------------------------
+
+    def nodes(self) -> builtins.list[NodeView]:
+        """The live nodes: state, slots in use, GPUs, labels and their jobs."""
+        return self._run(_nodes())
+
+    def drain(self, node_id: str) -> NodeView:
+        """Take a node out of service: its jobs checkpoint and go on without it.
+
+        Raises:
+            NotFoundError: the node is not registered.
+        """
+        return self._run(_drain(node_id, on=True))
+
+    def undrain(self, node_id: str) -> NodeView:
+        """Put a drained node back in service."""
+        return self._run(_drain(node_id, on=False))
+
+
+class AsyncClient(_Base):
+    """:class:`Client`'s twin for asyncio: the same arguments, methods and errors,
+    each method awaited; :meth:`logs` is an async iterator. Use it as an async
+    context manager, or await :meth:`aclose`.
+
+    ``transport`` is an ``httpx.AsyncBaseTransport``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        state_dir: Path | str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(url, token, state_dir=state_dir, timeout=timeout)
+        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._http.aclose()
+
+    async def _run(self, call: _Call[T]) -> T:
+        try:
+            response = await self._http.request(call.method, call.path, json=call.json,
+                                                params=call.params)
+        except httpx.HTTPError as exc:
+            raise self._transport_failure(exc) from exc
+        return self._answer(call, response)
+
+    async def submit(self, spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any
+                     ) -> JobView:
+        """See :meth:`Client.submit`."""
+        return await self._run(_submit(build_spec(spec, **fields)))
+
+    async def get(self, job_id: str) -> JobView:
+        """See :meth:`Client.get`."""
+        return await self._run(_get(job_id))
+
+    async def list_page(self, *, phase: JobPhase | str | None = None, limit: int | None = None,
+                        cursor: str | None = None) -> JobList:
+        """See :meth:`Client.list_page`."""
+        return await self._run(_list_page(phase, limit, cursor))
+
+    async def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
+                        ) -> AsyncIterator[JobView]:
+        """See :meth:`Client.iter_jobs`."""
+        cursor: str | None = None
+        seen: set[str] = set()
+        while True:
+            page = await self.list_page(phase=phase, limit=page_size, cursor=cursor)
+            for view in page.jobs:
+                yield view
+            if page.next_cursor is None or page.next_cursor in seen:
+                return
+            seen.add(page.next_cursor)
+            cursor = page.next_cursor
+
+    async def list(self, *, phase: JobPhase | str | None = None) -> builtins.list[JobView]:
+        """See :meth:`Client.list`."""
+        return [view async for view in self.iter_jobs(phase=phase)]
+
+    async def wait(
+        self, job_id: str, *, timeout: float | None = None, check: bool = False,
+        poll_interval: float = POLL_INTERVAL_S,
+    ) -> JobView:
+        """See :meth:`Client.wait`."""
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(job_id, loop.time(), timeout)
+        while True:
+            try:
+                if waiter.seen(await self.get(job_id)):
+                    assert waiter.last is not None
+                    return check_outcome(waiter.last) if check else waiter.last
+            except ApiError as exc:
+                waiter.failed(exc, loop.time())
+            waiter.check_deadline(loop.time())
+            await asyncio.sleep(poll_interval)
+
+    async def logs(
+        self, job_id: str, *, node: str | None = None, rank: int | None = None,
+        tail: int | None = None, follow: bool = False,
+    ) -> AsyncIterator[str]:
+        """The job's workers' output, a line at a time, each prefixed ``[NODE rRANK] ``.
+
+        Args:
+            job_id: the job.
+            node: only this node's workers.
+            rank: only this rank.
+            tail: only the last ``tail`` lines of each worker's output.
+            follow: keep yielding new lines until the job ends.
+
+        A node that is gone is said in a line starting ``[tidal] ``.
+
+        Raises:
+            NotFoundError: there is no such job.
+            UnavailableError: the coordinator could not be reached, or the
+                stream broke off.
+        """
+        params = logs_params(node=node, rank=rank, tail=tail, follow=follow)
+        try:
+            async with self._http.stream(
+                "GET", _job_path(job_id, "/logs"), params=params,
+                headers={"Accept": "text/plain"}, timeout=self._stream_timeouts(follow),
+            ) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise self._refusal(response)
+                async for line in response.aiter_lines():
+                    if line:  # an empty line is the coordinator's keep-alive (service.logs)
+                        yield line
+        except httpx.HTTPError as exc:
+            raise self._transport_failure(exc) from exc
+
+    async def events(self, job_id: str) -> EventList:
+        """See :meth:`Client.events`."""
+        return await self._run(_events(job_id))
+
+    async def scale(self, job_id: str, *, min_nodes: int | None = None,
+                    max_nodes: int | None = None) -> JobView:
+        """See :meth:`Client.scale`."""
+        return await self._run(_scale(job_id, min_nodes, max_nodes))
+
+    async def cancel(self, job_id: str) -> JobView:
+        """See :meth:`Client.cancel`."""
+        return await self._run(_cancel(job_id))
+
+    async def nodes(self) -> builtins.list[NodeView]:
+        """See :meth:`Client.nodes`."""
+        return await self._run(_nodes())
+
+    async def drain(self, node_id: str) -> NodeView:
+        """See :meth:`Client.drain`."""
+        return await self._run(_drain(node_id, on=True))
+
+    async def undrain(self, node_id: str) -> NodeView:
+        """See :meth:`Client.undrain`."""
+        return await self._run(_drain(node_id, on=False))
+
+
+# The command line's older name for the blocking client.
+TidalClient = Client

@@ -43,97 +43,85 @@ Exit codes, which scripts can rely on:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-import re
 import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import click
-from pydantic import ValidationError
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
 from rendezvous.records import RUNNER_RANK
+from service.cli_output import age, dump_json, labelled, table
+from service.cli_output import clock as _clock
 from service.client import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    OUTAGE_TOLERANCE_S,
+    PHASE_EXIT,
+    POLL_INTERVAL_S,
     ApiError,
+    Client,
     ClusterFile,
+    InvalidSpecError,
+    NotConfiguredError,
     TargetError,
-    TidalClient,
-    dump_json,
+    TidalError,
+    UnauthorizedError,
+    WaitTimeoutError,
+    build_spec,
+    default_name,
     load_cluster,
-    resolve_target,
 )
 from service.client import default_state_dir as _default_state_dir
 from service.jobfile import JobFileError, job_fields
-from service.models import JobEvent, JobPhase, JobSpec, JobView, NodeView
+from service.models import JobEvent, JobPhase, JobView, NodeView
 
-EXIT_OK = 0
-EXIT_JOB_FAILED = 1
-EXIT_USAGE = 2
-EXIT_JOB_CANCELLED = 3
-EXIT_REFUSED = 4
-EXIT_UNREACHABLE = 5
-EXIT_NOT_CONFIGURED = 6
-EXIT_TIMEOUT = 7
-EXIT_INTERRUPTED = 130
-
-PHASE_EXIT = {
-    JobPhase.SUCCEEDED: EXIT_OK,
-    JobPhase.FAILED: EXIT_JOB_FAILED,
-    JobPhase.CANCELLED: EXIT_JOB_CANCELLED,
-}
-POLL_INTERVAL_S = 0.5
-# While following a job, a coordinator that restarts or loses etcd for a
-# moment is waited for this long before the command gives up.
-OUTAGE_TOLERANCE_S = 30.0
 TRACEBACK_LINES = 20
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CommandError(click.ClickException):
-    """A failure shown as ``error: <message>`` on stderr; each subclass has its exit code."""
+    """A failure shown as ``error: <message>`` on stderr, exiting with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
 
 
-class InvalidJobError(CommandError):
-    exit_code = EXIT_USAGE
-
-
-class RefusedError(CommandError):
-    exit_code = EXIT_REFUSED
-
-
-class UnreachableError(CommandError):
-    exit_code = EXIT_UNREACHABLE
-
-
-class NotConfiguredError(CommandError):
-    exit_code = EXIT_NOT_CONFIGURED
-
-
-class FollowTimeoutError(CommandError):
-    exit_code = EXIT_TIMEOUT
-
-
-def api_failure(exc: ApiError) -> RefusedError | UnreachableError:
-    """The exit code and message for an API call that did not succeed."""
-    if exc.transient:
-        return UnreachableError(exc.message)
+def cli_error(exc: TidalError) -> CommandError:
+    """A client error as the command line reports it: its message (with a hint
+    for a wrong token) and its own exit code (service.errors)."""
     message = exc.message
-    if exc.status == 401:
+    if isinstance(exc, UnauthorizedError):
         message += " (check --token, TIDAL_TOKEN or TIDAL_TOKEN_FILE)"
-    return RefusedError(message)
+    return CommandError(message, exc.exit_code)
+
+
+def reporting_errors(func: F) -> F:
+    """Run a command's callback so that a :class:`TidalError` it raises becomes
+    ``error: <message>`` and the error's exit code, not a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except TidalError as exc:
+            raise cli_error(exc) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 # common options ------------------------------------------------------------------------
@@ -169,19 +157,15 @@ def _quiet_http_logs() -> None:
 
 
 @contextmanager
-def connect(url: str | None, token: str | None, state_dir: Path | None) -> Iterator[TidalClient]:
-    """A client of the configured coordinator; API and configuration failures
-    become :class:`CommandError` (exit 4, 5 or 6)."""
+def connect(url: str | None, token: str | None, state_dir: Path | None) -> Iterator[Client]:
+    """A client of the configured coordinator; its failures become
+    :class:`CommandError` with their exit codes (4, 5 or 6)."""
     _quiet_http_logs()
     try:
-        target = resolve_target(url, token, state_dir)
-    except TargetError as exc:
-        raise NotConfiguredError(str(exc)) from None
-    try:
-        with TidalClient(target.url, target.token) as client:
+        with Client(url, token, state_dir=state_dir) as client:
             yield client
-    except ApiError as exc:
-        raise api_failure(exc) from None
+    except TidalError as exc:
+        raise cli_error(exc) from None
 
 
 def _check_id(value: str, *, what: str) -> str:
@@ -200,39 +184,6 @@ def _node_id(_: click.Context, __: click.Parameter, value: str) -> str:
 
 
 # formatting ----------------------------------------------------------------------------
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
-    cells = [[str(h) for h in headers], *[[_cell(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        padded = [c.ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)]
-        lines.append("  ".join([*padded, row[-1]]).rstrip())
-    return "\n".join(lines)
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    return " ".join(str(value).split())  # a newline in a message must not break the table
-
-
-def age(when: datetime | None, *, now: datetime | None = None) -> str:
-    """``42s``, ``5m``, ``3h``, ``2d``: how long ago ``when`` was."""
-    if when is None:
-        return "-"
-    seconds = max(0, int(((now or datetime.now(timezone.utc)) - when).total_seconds()))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
-def _clock(when: datetime, *, with_date: bool = True) -> str:
-    local = when.astimezone()
-    return local.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
 
 
 def _bounds(view: JobView) -> str:
@@ -296,16 +247,16 @@ def _status_text(view: JobView) -> str:
         pairs.append(("env", ", ".join(spec.env_names)))
     if spec.node_selector:
         pairs.append(("labels", ", ".join(f"{k}={v}" for k, v in spec.node_selector.items())))
-    width = max(len(k) for k, _ in pairs)
-    lines = [f"{k + ':':<{width + 1}}  {_cell(v)}" for k, v in pairs]
-    for cond in view.conditions:
-        lines.append(f"{'condition:':<{width + 1}}  {cond.type}={cond.status} "
-                     f"({cond.reason}{': ' + cond.message if cond.message else ''})")
+    pairs += [("condition", f"{cond.type}={cond.status} ({cond.reason}"
+                            f"{': ' + cond.message if cond.message else ''})")
+              for cond in view.conditions]
+    lines = labelled(pairs)
     if view.nodes:
         lines += ["", table(
             ["NODE", "STATE", "RANKS", "STEP", "RESTARTS"],
             [[n.node_id, n.state, ",".join(map(str, n.ranks)) or None, n.last_step,
               n.restart_count] for n in view.nodes],
+            shrink=["RANKS"],
         )]
     errors = _error_lines(view)
     if errors:
@@ -320,7 +271,7 @@ def _status_text(view: JobView) -> str:
 class _Follower:
     """Polls a job and its events until the job is terminal, tolerating short outages."""
 
-    client: TidalClient
+    client: Client
     job_id: str
     timeout_s: float | None = None
     with_events: bool = True
@@ -369,13 +320,13 @@ class _Follower:
                 if view.phase.is_terminal():
                     return view
             if deadline is not None and time.monotonic() >= deadline:
-                raise FollowTimeoutError(
+                raise WaitTimeoutError(
                     f"job {self.job_id} did not finish within --timeout {self.timeout_s:g} s; "
-                    "it goes on")
+                    "it goes on", job_id=self.job_id)
             time.sleep(POLL_INTERVAL_S)
 
 
-def _follow_human(client: TidalClient, job_id: str, *, timeout_s: float | None) -> int:
+def _follow_human(client: Client, job_id: str, *, timeout_s: float | None) -> int:
     """Print the job's events as they come, then its outcome; the exit code for it."""
 
     def show(_: JobView, events: list[JobEvent]) -> None:
@@ -399,7 +350,7 @@ def _follow_human(client: TidalClient, job_id: str, *, timeout_s: float | None) 
     return PHASE_EXIT[view.phase]
 
 
-def _follow_json(client: TidalClient, job_id: str, *, timeout_s: float | None) -> int:
+def _follow_json(client: Client, job_id: str, *, timeout_s: float | None) -> int:
     """Print the job's view as one JSON line each time it changes."""
     last: dict[str, Any] = {}
 
@@ -420,6 +371,17 @@ def _follow_json(client: TidalClient, job_id: str, *, timeout_s: float | None) -
 # submit --------------------------------------------------------------------------------
 
 
+def next_steps(job_id: str) -> str:
+    """What to type next about a job submitted without waiting."""
+    return "\n".join([
+        f"submitted job {job_id}; it runs without this command:",
+        f"  follow it:      tidal status {job_id} --watch",
+        f"  read its logs:  tidal logs {job_id} -f",
+        f"  its history:    tidal events {job_id}",
+        f"  stop it:        tidal cancel {job_id}",
+    ])
+
+
 def _pairs(values: Sequence[str], *, option: str, from_env: bool = False) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in values:
@@ -437,26 +399,6 @@ def _pairs(values: Sequence[str], *, option: str, from_env: bool = False) -> dic
     return out
 
 
-def default_name(command: Sequence[str]) -> str:
-    """A job name from its command: ``python train.py`` -> ``train``."""
-    words = list(command)
-    if words and re.match(r"^(python[0-9.]*|torchrun|uv|poetry)$", Path(words[0]).name):
-        rest = [w for w in words[1:] if not w.startswith("-")]
-        words = rest or words
-    stem = Path(words[0]).stem if words else "job"
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:40]
-    return name or "job"
-
-
-def _spec_error(exc: ValidationError) -> InvalidJobError:
-    # Values are never echoed: an --env value may be a secret.
-    fields = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'job'}: {err['msg']}"
-        for err in exc.errors()[:5]
-    )
-    return InvalidJobError(f"invalid job: {fields}")
-
-
 MAX_JOB_FILE_BYTES = 1 << 20
 
 
@@ -470,17 +412,17 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
             with open(path, "rb") as handle:
                 data = handle.read(MAX_JOB_FILE_BYTES + 1)
     except OSError as exc:
-        raise InvalidJobError(f"cannot read the job file {source}: {exc.strerror}") from None
+        raise InvalidSpecError(f"cannot read the job file {source}: {exc.strerror}") from None
     if len(data) > MAX_JOB_FILE_BYTES:
-        raise InvalidJobError(f"{source}: larger than {MAX_JOB_FILE_BYTES} bytes")
+        raise InvalidSpecError(f"{source}: larger than {MAX_JOB_FILE_BYTES} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise InvalidJobError(f"{source}: not UTF-8 text") from None
+        raise InvalidSpecError(f"{source}: not UTF-8 text") from None
     try:
         fields = job_fields(text, flags, source=source)
     except JobFileError as exc:
-        raise InvalidJobError(str(exc)) from None
+        raise InvalidSpecError(str(exc)) from None
     return fields
 
 
@@ -518,10 +460,14 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--lr-rule", type=click.Choice(["none", "linear", "sqrt"]), default=None,
               help="Scale the learning rate with the world size by this rule.")
 @click.option("--no-wait", is_flag=True,
-              help="Print the job id and return at once instead of following the job.")
+              help="Print the job id (and on stderr how to follow, read and stop it) and "
+                   "return at once instead of following the job.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=None, help="Stop following after this many seconds (exit 7).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the new job's JSON (JobView); while following, one JSON line "
+                   "per change, as `status --watch --json`.")
 @_target_options
 def submit_command(
     job_file: str | None, name: str | None, min_nodes: int | None, max_nodes: int | None,
@@ -529,7 +475,7 @@ def submit_command(
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
     labels: tuple[str, ...], max_restarts: int | None, priority: int | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
-    no_wait: bool, timeout_s: float | None, command: tuple[str, ...],
+    no_wait: bool, timeout_s: float | None, command: tuple[str, ...], as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
     """Submit a job running COMMAND on every worker, then follow it to its end.
@@ -547,7 +493,8 @@ def submit_command(
     Prints the job's events as they happen and exits with its outcome: 0
     succeeded, 1 failed, 3 cancelled (2 is a usage error, 4/5/6 an API,
     connection or configuration error, 7 --timeout, 130 Ctrl-C; the job goes
-    on after Ctrl-C). With --no-wait, prints only the job id.
+    on after Ctrl-C). With --no-wait, prints the job id on stdout and the
+    commands to follow, read and stop it on stderr.
     """
     flags: dict[str, Any] = {
         "name": name, "command": list(command) or None, "min_nodes": min_nodes,
@@ -571,14 +518,17 @@ def submit_command(
             fields["resize_policy"] = {"global_batch_size": global_batch_size,
                                        "lr_rule": lr_rule or "none"}
     fields.setdefault("name", default_name(fields["command"]))
-    try:
-        spec = JobSpec(**fields)
-    except ValidationError as exc:
-        raise _spec_error(exc) from None
+    spec = build_spec(fields)
     with connect(url, token, state_dir) as client:
         view = client.submit(spec)
+        if as_json and no_wait:
+            click.echo(dump_json(view))
+            return
+        if as_json:  # its first line is the new job's view
+            raise click.exceptions.Exit(_follow_json(client, view.job_id, timeout_s=timeout_s))
         if no_wait:
             click.echo(view.job_id)
+            click.echo(next_steps(view.job_id), err=True)
             return
         click.echo(f"submitted job {view.job_id} ({_bounds(view)} node(s) x "
                    f"{spec.nproc_per_node} worker(s)); following it, Ctrl-C to stop")
@@ -608,7 +558,7 @@ def jobs_command(
         if all_pages:
             views, more = list(client.iter_jobs(phase=wanted)), None
         else:
-            page = client.list_jobs(phase=wanted, limit=limit)
+            page = client.list_page(phase=wanted, limit=limit)
             views, more = page.jobs, page.next_cursor
     if as_json:
         click.echo(dump_json({"jobs": [v.model_dump(mode="json") for v in views],
@@ -620,8 +570,9 @@ def jobs_command(
     click.echo(table(
         ["JOB", "PHASE", "NODES", "WORLD", "RESTARTS", "STEP", "AGE", "COMMAND"],
         [[v.job_id, v.phase.value, f"{len(v.nodes)} ({_bounds(v)})", v.world_size,
-          v.restart_count, v.last_step, age(v.created_at), shlex.join(v.spec.command)[:60]]
+          v.restart_count, v.last_step, age(v.created_at), shlex.join(v.spec.command)]
          for v in views],
+        shrink=["COMMAND"],
     ))
     if more:
         click.echo(f"more jobs than --limit {limit}: use --all", err=True)
@@ -677,6 +628,7 @@ def events_command(
         ["SEQ", "TIME", "PHASE", "REASON", "WORLD", "NODES", "MESSAGE"],
         [[e.seq, _clock(e.time), e.phase.value, e.reason.value, e.world_size,
           ",".join(e.nodes) or None, e.message] for e in events.events],
+        shrink=["MESSAGE", "NODES"],
     ))
 
 
@@ -704,6 +656,7 @@ def _nodes_table(nodes: Sequence[NodeView]) -> str:
         [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", n.gpus, n.address,
           ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or None,
           ",".join(n.jobs) or None] for n in nodes],
+        shrink=["JOBS", "LABELS", "ADDRESS"],
     )
 
 
@@ -1033,6 +986,9 @@ COMMANDS: tuple[click.Command, ...] = (
 
 
 def register(group: click.Group) -> None:
-    """Add the job and node commands to ``group`` (the ``tidal`` command line)."""
+    """Add the job and node commands to ``group`` (the ``tidal`` command line);
+    a :class:`TidalError` any of them raises is reported, with its exit code."""
     for command in COMMANDS:
+        if command.callback is not None:
+            command.callback = reporting_errors(command.callback)
         group.add_command(command)
