@@ -2,7 +2,9 @@
 
 It has only what :class:`agent.status.StatusReporter` and
 :class:`agent.metrics.JobStatusCollector` use: ``keys``, ``get``, ``put`` and
-``config.timeout_s``. Everything above unit level uses a real etcd.
+``config.timeout_s``, with the real client's parameters and result types
+(tests/unit/agent/test_fakes.py holds it to that). Everything above unit
+level uses a real etcd.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from rendezvous.client import KeyValue
 from rendezvous.keys import Keys
 from rendezvous.records import JobNodeStatus
 
@@ -19,15 +22,25 @@ class FakeEtcd:
     keys: Keys = field(default_factory=lambda: Keys("/tidal-unit"))
     data: dict[str, bytes] = field(default_factory=dict)
     puts: int = 0
+    revision: int = 1
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(timeout_s=1.0))
+    _versions: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # create, mod, version
 
-    def get(self, key: str) -> SimpleNamespace | None:
+    def get(self, key: str, *, timeout_s: float | None = None) -> KeyValue | None:
         value = self.data.get(key)
-        return None if value is None else SimpleNamespace(key=key, value=value)
+        if value is None:
+            return None
+        # A value a test wrote into ``data`` directly counts as written once, at revision 1.
+        create, mod, version = self._versions.get(key, (1, 1, 1))
+        return KeyValue(key, value, create, mod, version, 0)
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        self.revision += 1
+        create, _, version = self._versions.get(key, (self.revision, 0, 0))
+        self._versions[key] = (create, self.revision, version + 1)
         self.data[key] = value
         self.puts += 1
+        return self.revision
 
     def put_status(self, status: JobNodeStatus) -> None:
         self.put(self.keys.status(status.job_id, status.node_id), status.model_dump_json().encode())
