@@ -16,8 +16,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from agent.gpu_metrics import GpuCollector
+from agent.gpus import GpuReading, GpuSnapshot
 from agent.metrics import AgentMetrics, JobStatusCollector, generation_dir
 from agent.status import RunnerMetricsRecorder, write_runner_metrics
+from rendezvous.gpus import GpuInfo
 from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError
 from service.metrics import ClusterCollector, CoordinatorMetrics
 from service.store import Snapshot
@@ -88,6 +91,11 @@ def agent_registry(run_dir: Path) -> CollectorRegistry:
     AgentMetrics(registry, slots=1)
     registry.register(JobStatusCollector(client, "n", lambda: ["j"],  # type: ignore[arg-type]
                                          run_dir=run_dir, extra_restarts=lambda: {}))
+    gpus = GpuSnapshot(
+        (GpuInfo(index=0, uuid="GPU-0", model="m", memory_bytes=1 << 30),),
+        {0: GpuReading(utilization_pct=1, memory_used_bytes=1, power_w=1, temperature_c=1)},
+    )
+    registry.register(GpuCollector("n", lambda: gpus, lambda: {"j": [0]}))
     return registry
 
 
