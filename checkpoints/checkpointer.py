@@ -44,7 +44,8 @@ from checkpoints.errors import (
     CheckpointStateError,
     CheckpointWriteError,
 )
-from checkpoints.progress import ProgressReporter, create_progress_reporter
+from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
+from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
 from checkpoints.state import (
     Stateful,
@@ -53,7 +54,7 @@ from checkpoints.state import (
     load_replicated,
     write_replicated,
 )
-from checkpoints.storage import CheckpointStore, Manifest, use_direct_io
+from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest, use_direct_io
 
 __all__ = ["Checkpointer", "Resume", "SaveRecord"]
 
@@ -123,8 +124,15 @@ class Checkpointer:
         handle_sigterm: save at the next step boundary on SIGTERM and exit with 75.
         sigterm_grace_seconds: after SIGTERM, exit at once if still running this long.
         progress: where to report progress (default: from ``TIDAL_PROGRESS_DIR``).
+        total_steps: the step training ends at, if known; reported with the
+            progress, so that ``tidal submit`` can estimate the time left.
         direct_io: write checkpoint files with direct I/O, past the page cache
             (buffered where the filesystem refuses it); False: through the page cache.
+        jit_save: when a collective fails or the runner says a peer is gone, save
+            the last completed step before exiting (replicated state with an
+            optimizer, more than one rank; local rank 0 of each node writes; see
+            :mod:`checkpoints.jit`). ``TIDAL_JIT_SAVE=0`` in the environment turns
+            it off. With it on, ``extra_state`` is called after every step.
 
     Raises:
         ValueError: when an option is out of range.
@@ -152,7 +160,9 @@ class Checkpointer:
         handle_sigterm: bool = True,
         sigterm_grace_seconds: float = 60.0,
         progress: ProgressReporter | None = None,
+        total_steps: int | None = None,
         direct_io: bool = True,
+        jit_save: bool = True,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep ({keep}) must be at least 1")
@@ -179,11 +189,41 @@ class Checkpointer:
         if handle_sigterm:
             self._stop.install()
         self._progress = progress or create_progress_reporter(rank=self.rank)
+        if total_steps is not None:
+            self._progress.set_total_steps(total_steps)
         self._last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._reported: SaveRecord | None = None
         self.saves: collections.deque[SaveRecord] = collections.deque(maxlen=100)
         self._closed = False
+        # The restore epoch this run saves under (restore takes the next one).
+        self._epoch = self._store.read_fence().epoch
+        self._jit = self._make_jit(jit_save)
+
+    def _make_jit(self, wanted: bool) -> JustInTimeSaver | None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        if (
+            not wanted
+            or os.environ.get(JIT_ENV) == "0"
+            or self._sharded
+            or self._optimizer is None
+            or self.world_size < 2
+            or local_rank != 0  # one copy per node is enough: they are all the same
+        ):
+            return None
+        progress_dir = os.environ.get(PROGRESS_DIR_ENV)
+        jit = JustInTimeSaver(
+            self._store,
+            rank=self.rank,
+            world_size=self.world_size,
+            optimizer=self._optimizer,
+            small_state=self._small_state,
+            large_state=self._large_state,
+            epoch=lambda: self._epoch,
+            progress_dir=Path(progress_dir) if progress_dir else None,
+        )
+        jit.arm()
+        return jit
 
     def _init_distributed(self) -> None:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -226,16 +266,23 @@ class Checkpointer:
             CheckpointError: when another rank cannot read the checkpoint rank 0
                 chose, or the checkpoint does not fit the model.
         """
-        chosen, state = -1, None
+        chosen, state, epoch = -1, None, 0
         if self.rank == 0:
             stale = self._store.remove_stale()
             if stale:
                 log.info("removed %d unfinished save(s): %s", len(stale), ", ".join(stale))
-            chosen, state = self._choose()
+            fence = self._store.read_fence()
+            chosen, state = self._choose(fence)
+            epoch = fence.epoch + 1
+            try:
+                self._store.write_fence(Fence(epoch=epoch, step=chosen))
+            except CheckpointError as exc:
+                log.error("%s: late saves of a fenced-out process will not be refused", exc)
         if self._group is not None:
-            box = torch.tensor([chosen], dtype=torch.int64)
+            box = torch.tensor([chosen, epoch], dtype=torch.int64)
             dist.broadcast(box, src=0, group=self._group)
-            chosen = int(box.item())
+            chosen, epoch = (int(v) for v in box.tolist())
+        self._epoch = epoch
         if chosen < 0:
             log.info("no usable checkpoint under %s: starting fresh", self.directory)
             return Resume(step=0, fresh=True, path=None, saved_world_size=None, extra={})
@@ -269,27 +316,44 @@ class Checkpointer:
             extra=extra,
         )
 
-    def _choose(self) -> tuple[int, dict[str, Any] | None]:
-        """Rank 0: the newest checkpoint that verifies (and, if replicated, loads)."""
-        rejected: list[int] = []
-        for step in self._store.steps():
-            path = self._store.path_of(step)
+    def _choose(self, fence: Fence) -> tuple[int, dict[str, Any] | None]:
+        """Rank 0: the newest checkpoint that verifies (and, if replicated, loads).
+
+        Just-in-time candidates take part (:mod:`checkpoints.jit`); one that is
+        chosen gets its step's final name, and the others are removed. A save
+        the fence rules out (made after the last restore by a process of an
+        older epoch) is moved aside like a corrupt one.
+        """
+        rejected: list[Candidate] = []
+        candidates = self._store.candidates()
+        for candidate in candidates:
+            path = candidate.path
             try:
+                if candidate.jit and fence.fences_out(step=candidate.step, epoch=candidate.epoch):
+                    raise CheckpointCorruptError(path, None, _fenced(candidate.epoch, fence))
                 if self._sharded:
                     manifest = self._store.verify(path)
                     if manifest.kind != "sharded":
                         raise CheckpointCorruptError(path, None, "it is not a sharded checkpoint")
                     state = None
                 else:
-                    _, state = load_replicated(self._store, path)
+                    manifest, state = load_replicated(self._store, path)
+                if fence.fences_out(step=manifest.step, epoch=manifest.epoch):
+                    raise CheckpointCorruptError(path, None, _fenced(manifest.epoch, fence))
             except CheckpointCorruptError as exc:
                 log.warning("%s; falling back to an older checkpoint", exc)
-                rejected.append(step)
+                rejected.append(candidate)
                 continue
             for bad in rejected:
-                moved = self._store.quarantine(bad)
-                log.warning("moved rejected checkpoint of step %d aside to %s", bad, moved)
-            return step, state
+                moved = self._store.quarantine(bad.step, path=bad.path)
+                log.warning("moved rejected checkpoint %s aside to %s", bad.path.name, moved)
+            if candidate.jit:
+                log.info("resuming from the just-in-time save %s", path.name)
+                self._store.promote(candidate)
+            for other in candidates:
+                if other.jit and other is not candidate:
+                    self._store.remove_candidate(other)
+            return candidate.step, state
         return -1, None
 
     def _load_chosen(
@@ -329,6 +393,8 @@ class Checkpointer:
         Raises:
             SystemExit: with ``EXIT_PREEMPTED`` (75) after saving, when a stop was requested.
         """
+        if self._jit is not None:
+            self._jit.boundary(step)  # before any collective of ours can fail
         self._progress.record(step=step, loss=loss, samples=samples)
         self._poll_writer()
         stop = self._stop.requested
@@ -364,6 +430,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._jit is not None:
+            self._jit.disarm()
         self._writer.wait()
         self._poll_writer()
         if self._consensus is not None:
@@ -375,7 +443,18 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is not None and self._jit is not None and is_collective_failure(exc):
+            # The group is broken: save the last completed step; leave without
+            # the collectives close() would wait on.
+            self._jit.save(f"a collective failed ({type(exc).__name__})")
+            self._jit.disarm()
+            self._closed = True
+            self._stop.uninstall()
+            self._progress.flush()
+            return
         self.close()
 
     def _time_due(self) -> bool:
@@ -481,7 +560,8 @@ class Checkpointer:
         def job() -> None:
             try:
                 path, manifest = write_replicated(
-                    self._store, tree, step=step, world_size=self.world_size, started=started
+                    self._store, tree, step=step, world_size=self.world_size, started=started,
+                    epoch=self._epoch,
                 )
             finally:
                 release()  # torch.save is done with the buffers
@@ -512,7 +592,8 @@ class Checkpointer:
                     record.save_seconds = time.monotonic() - started
                     return
                 path, manifest = sharded_io.commit_sharded(
-                    self._store, temp, small, step=step, world_size=self.world_size, started=started
+                    self._store, temp, small, step=step, world_size=self.world_size,
+                    started=started, epoch=self._epoch,
                 )
             finally:
                 release()
@@ -585,6 +666,13 @@ class Checkpointer:
         if isinstance(error, CheckpointError):
             raise error
         raise CheckpointWriteError(f"the last checkpoint save failed: {error}") from error
+
+
+def _fenced(epoch: int, fence: Fence) -> str:
+    return (
+        f"it was saved in epoch {epoch} after the job had restored step {fence.step} in epoch "
+        f"{fence.epoch} (a fenced-out process's late save)"
+    )
 
 
 def _nothing() -> None:

@@ -148,6 +148,7 @@ def commit_sharded(
     step: int,
     world_size: int,
     started: float,
+    epoch: int = 0,
 ) -> tuple[Path, Manifest]:
     """Rank 0, once every rank's shards are written: add ``replicated.pt``, checksum, commit."""
     with open_for_checkpoint(temp_dir / REPLICATED_FILE) as writer:
@@ -165,6 +166,7 @@ def commit_sharded(
         files=files,
         save_seconds=time.monotonic() - started,
         torch_version=torch.__version__,
+        epoch=epoch,
     )
     return store.commit(temp_dir, manifest), manifest
 

@@ -20,13 +20,20 @@ import pickle
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from checkpoints.errors import CheckpointCorruptError, CheckpointStateError, CheckpointWriteError
-from checkpoints.storage import CheckpointStore, FileEntry, Manifest, open_for_checkpoint
+from checkpoints.storage import (
+    CheckpointFileWriter,
+    CheckpointStore,
+    FileEntry,
+    Manifest,
+    open_for_checkpoint,
+)
 
 __all__ = [
     "STATE_FILE",
@@ -146,16 +153,29 @@ def safe_torch_load(data: bytes, *, path: Path, name: str) -> Any:
 
 
 def write_replicated(
-    store: CheckpointStore, tree: dict[str, Any], *, step: int, world_size: int, started: float
+    store: CheckpointStore,
+    tree: dict[str, Any],
+    *,
+    step: int,
+    world_size: int,
+    started: float,
+    epoch: int = 0,
+    name: str | None = None,
+    on_open: Callable[[CheckpointFileWriter], None] | None = None,
 ) -> tuple[Path, Manifest]:
     """Write ``tree`` as the checkpoint of ``step`` and commit it atomically.
 
     Args:
         store: where.
-        tree: the state (tensors already snapshotted off the device).
+        tree: the state (tensors already snapshotted off the device, or
+            live ones that nothing changes until this returns).
         step: completed steps.
         world_size: the job's world size when saving.
         started: ``time.monotonic()`` when the save began (for the manifest).
+        epoch: the restore epoch of this run (the fence; see storage.Fence).
+        name: the final directory name, if not the step's (a just-in-time candidate).
+        on_open: called with the file writer before anything is written (its
+            ``size`` grows as the save goes: a heartbeat reads it).
 
     Returns:
         The final path and the manifest.
@@ -171,6 +191,8 @@ def write_replicated(
         ) from exc
     try:
         with open_for_checkpoint(temp / STATE_FILE) as writer:
+            if on_open is not None:
+                on_open(writer)
             torch.save(tree, writer)  # type: ignore[arg-type]
         manifest = Manifest(
             step=step,
@@ -180,8 +202,9 @@ def write_replicated(
             files={STATE_FILE: FileEntry(size=writer.size, crc32=writer.crc32)},
             save_seconds=time.monotonic() - started,
             torch_version=torch.__version__,
+            epoch=epoch,
         )
-        return store.commit(temp, manifest), manifest
+        return store.commit(temp, manifest, name=name), manifest
     except BaseException as exc:
         store.discard(temp)
         if isinstance(exc, CheckpointWriteError):

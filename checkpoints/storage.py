@@ -9,6 +9,9 @@ Layout of a checkpoint root (shared by every rank of a job)::
     <root>/.tmp-step-0000000044-...  a save in progress (never loaded; removed at restore)
     <root>/.trash-...                a checkpoint being deleted (never loaded)
     <root>/.invalid-step-...         a checkpoint restore rejected, kept for inspection
+    <root>/jit-0000000057-e00000003-r00001/  a just-in-time candidate (docs/checkpoints.md):
+                                     step 57, saved in restore epoch 3 by rank 1
+    <root>/.fence.json               the last restore's epoch and step (the fence)
 
 A checkpoint only ever appears under a final name complete: its files are
 written into a temporary directory on the same filesystem, each file is
@@ -54,19 +57,24 @@ from typing import Any, BinaryIO
 from checkpoints.errors import CheckpointCorruptError, CheckpointWriteError
 
 __all__ = [
+    "FENCE_NAME",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
     "STAGING_BYTES",
+    "Candidate",
     "CheckpointFileWriter",
     "CheckpointStore",
     "ChecksumWriter",
     "DirectWriter",
+    "Fence",
     "FileEntry",
     "Manifest",
     "checkpoint_name",
     "file_crc32",
     "fsync_dir",
+    "jit_name",
     "open_for_checkpoint",
+    "order_candidates",
     "use_direct_io",
 ]
 
@@ -76,6 +84,8 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "tidal-checkpoint"
 MANIFEST_VERSION = 1
 _FINAL = re.compile(r"^step-(\d{10,})$")
+_JIT = re.compile(r"^jit-(\d{10,})-e(\d{8,})-r(\d{5,})$")
+FENCE_NAME = ".fence.json"
 _CHUNK = 8 << 20
 #: Bytes of each direct write (a multiple of any block size O_DIRECT asks for).
 STAGING_BYTES = 8 << 20
@@ -95,6 +105,13 @@ def checkpoint_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step ({step}) must not be negative")
     return f"step-{step:010d}"
+
+
+def jit_name(step: int, *, epoch: int, rank: int) -> str:
+    """The directory name of a just-in-time candidate of ``step`` by ``rank`` in ``epoch``."""
+    if step < 0 or epoch < 0 or rank < 0:
+        raise ValueError(f"step ({step}), epoch ({epoch}) and rank ({rank}) must not be negative")
+    return f"jit-{step:010d}-e{epoch:08d}-r{rank:05d}"
 
 
 def fsync_dir(path: Path) -> None:
@@ -328,6 +345,8 @@ class Manifest:
     files: dict[str, FileEntry]
     save_seconds: float = 0.0
     torch_version: str = ""
+    #: The restore epoch of the run that saved it (0: saved before epochs existed).
+    epoch: int = 0
 
     def to_json(self) -> str:
         """Serialize, with checksums as 8-digit hex."""
@@ -340,6 +359,7 @@ class Manifest:
             "created": self.created,
             "save_seconds": round(self.save_seconds, 6),
             "torch_version": self.torch_version,
+            "epoch": self.epoch,
             "checksum": "crc32",
             "files": {
                 name: {"size": e.size, "crc32": f"{e.crc32:08x}"}
@@ -380,6 +400,7 @@ class Manifest:
                 files=files,
                 save_seconds=float(body.get("save_seconds", 0.0)),
                 torch_version=str(body.get("torch_version", "")),
+                epoch=int(body.get("epoch", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise bad(f"a field is missing or malformed ({exc!r})") from exc
@@ -389,6 +410,51 @@ class Manifest:
         if manifest.kind not in ("replicated", "sharded"):
             raise bad(f"its kind ({manifest.kind!r}) is neither 'replicated' nor 'sharded'")
         return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """The last restore of a checkpoint root: its epoch and the step it resumed from.
+
+    Every restore takes the next epoch and records the step it chose (-1:
+    fresh). A save made in an older epoch than the fence's, of a step after the
+    fence's step, was made by a process the job had already gone on without (a
+    partitioned or hung node, an old rank 0's late asynchronous save): it is
+    refused at commit and ignored at restore. Saves of the fence's step or
+    older are what the job's lineage passed through, and stay usable.
+    """
+
+    epoch: int = 0
+    step: int = -1
+
+    def fences_out(self, *, step: int, epoch: int) -> bool:
+        """Whether a save of ``step`` made in ``epoch`` is stale under this fence."""
+        return epoch < self.epoch and step > self.step
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A checkpoint restore may choose: a periodic one (``step-*``) or a just-in-time one.
+
+    ``epoch`` and ``rank`` come from a just-in-time candidate's name; a periodic
+    checkpoint's epoch is in its manifest (read when it is verified).
+    """
+
+    step: int
+    path: Path
+    jit: bool
+    epoch: int = 0
+    rank: int = 0
+
+
+def order_candidates(candidates: list[Candidate]) -> list[Candidate]:
+    """Newest step first; at one step a periodic checkpoint, then the newest epoch's, lowest rank.
+
+    Every candidate of one step holds the same state (a replicated job's ranks
+    are identical after each optimizer step), so which one wins a tie only
+    decides how much is renamed.
+    """
+    return sorted(candidates, key=lambda c: (-c.step, c.jit, -c.epoch, c.rank))
 
 
 class CheckpointStore:
@@ -415,6 +481,74 @@ class CheckpointStore:
                 found.append(int(match.group(1)))
         return sorted(found, reverse=True)
 
+    def candidates(self) -> list[Candidate]:
+        """Periodic and just-in-time checkpoints under final names, newest first (not verified)."""
+        found = [Candidate(step=s, path=self.path_of(s), jit=False) for s in self.steps()]
+        for entry in os.scandir(self.root):
+            match = _JIT.match(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                found.append(Candidate(
+                    step=int(match.group(1)), path=Path(entry.path), jit=True,
+                    epoch=int(match.group(2)), rank=int(match.group(3)),
+                ))
+        return order_candidates(found)
+
+    def read_fence(self) -> Fence:
+        """The last restore's fence; ``Fence()`` (fences nothing) if there is none or it is bad."""
+        try:
+            body = json.loads((self.root / FENCE_NAME).read_text(encoding="utf-8"))
+            return Fence(epoch=int(body["epoch"]), step=int(body["step"]))
+        except FileNotFoundError:
+            return Fence()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable %s: %s", self.root / FENCE_NAME, exc)
+            return Fence()
+
+    def write_fence(self, fence: Fence) -> None:
+        """Replace the fence durably (a temporary file renamed over it).
+
+        Raises:
+            CheckpointWriteError: when it cannot be written.
+        """
+        temp = self.root / f".tmp-fence-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(temp, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"epoch": fence.epoch, "step": fence.step}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(temp, self.root / FENCE_NAME)
+            fsync_dir(self.root)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise CheckpointWriteError(f"writing {self.root / FENCE_NAME} failed: {exc}") from exc
+
+    def promote(self, candidate: Candidate) -> Path:
+        """Give a just-in-time candidate its step's final name (kept if one already has it).
+
+        Raises:
+            CheckpointWriteError: when the rename fails.
+        """
+        final = self.path_of(candidate.step)
+        if not candidate.jit or candidate.path == final:
+            return final
+        try:
+            if final.exists():
+                self._remove(candidate.path)
+            else:
+                os.rename(candidate.path, final)
+                fsync_dir(self.root)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"promoting {candidate.path} to {final} failed: {exc}"
+            ) from exc
+        return final
+
+    def remove_candidate(self, candidate: Candidate) -> None:
+        """Delete a just-in-time candidate that is no longer needed (best effort)."""
+        with contextlib.suppress(OSError):
+            self._remove(candidate.path)
+
     def new_temp_dir(self, step: int, *, token: str | None = None) -> Path:
         """Create (or, with a fixed ``token`` shared by all ranks, reuse) a temporary directory."""
         token = token if token is not None else f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -422,15 +556,26 @@ class CheckpointStore:
         path.mkdir(exist_ok=token is not None)
         return path
 
-    def commit(self, temp_dir: Path, manifest: Manifest) -> Path:
+    def commit(self, temp_dir: Path, manifest: Manifest, *, name: str | None = None) -> Path:
         """Write the manifest into ``temp_dir`` and move it to its final name, durably.
 
-        An existing checkpoint of the same step is replaced (moved out first).
+        ``name`` (a just-in-time candidate's) replaces the step's final name.
+        An existing checkpoint of the same name is replaced (moved out first).
+        A save the fence rules out (:class:`Fence`) is refused, and removed.
 
         Raises:
-            CheckpointWriteError: when a write, fsync or rename fails.
+            CheckpointWriteError: when a write, fsync or rename fails, or the
+                save is fenced out.
         """
-        final = self.path_of(manifest.step)
+        final = self.root / name if name is not None else self.path_of(manifest.step)
+        fence = self.read_fence()
+        if fence.fences_out(step=manifest.step, epoch=manifest.epoch):
+            self.discard(temp_dir)
+            raise CheckpointWriteError(
+                f"not committing the checkpoint of step {manifest.step} (epoch "
+                f"{manifest.epoch}): the job restored step {fence.step} in epoch "
+                f"{fence.epoch} since; this process was fenced out"
+            )
         try:
             with open(temp_dir / MANIFEST_NAME, "w", encoding="utf-8") as f:
                 f.write(manifest.to_json())
@@ -458,9 +603,9 @@ class CheckpointStore:
             self._remove(self.path_of(step))
         return doomed
 
-    def quarantine(self, step: int) -> Path | None:
-        """Move a rejected checkpoint out of the final names, keeping it for inspection."""
-        source = self.path_of(step)
+    def quarantine(self, step: int, *, path: Path | None = None) -> Path | None:
+        """Move a rejected checkpoint (``path``, default the step's) aside, for inspection."""
+        source = path if path is not None else self.path_of(step)
         target = self.root / f".invalid-{source.name}-{int(time.time())}"
         try:
             os.rename(source, target)
@@ -502,7 +647,9 @@ class CheckpointStore:
         except (OSError, UnicodeDecodeError) as exc:
             raise CheckpointCorruptError(path, MANIFEST_NAME, f"it cannot be read ({exc})") from exc
         manifest = Manifest.from_json(text, path=path)
-        if checkpoint_name(manifest.step) != path.name:
+        jit = _JIT.match(path.name)
+        expected = int(jit.group(1)) if jit else None
+        if checkpoint_name(manifest.step) != path.name and manifest.step != expected:
             raise CheckpointCorruptError(
                 path, MANIFEST_NAME, f"it records step {manifest.step}, not the directory's step"
             )

@@ -100,6 +100,8 @@ def train(args: argparse.Namespace) -> None:
         optimizer.step()
         log.info("rank %d completed step %d", rank, step + 1)
         ckpt.maybe_save(step + 1)
+        if args.pace:
+            time.sleep(args.pace)
     ckpt.save(args.total_steps)
     ckpt.close()
     log.info("rank %d finished at step %d", rank, args.total_steps)
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--total-steps", type=int, default=10**9)
     parser.add_argument("--every-steps", type=int, default=None)
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds between steps")
     parser.add_argument("--init-file", default=None)
     parser.add_argument("--control", default=None)
     parser.add_argument("--children", type=int, default=0)

@@ -19,6 +19,11 @@ import checkpoints.checkpointer as checkpointer_module
 from checkpoints.errors import CheckpointStateError
 
 
+def _checkpoints(root: Path) -> list[str]:
+    """The checkpoint directories under ``root`` (not the fence, nor temporary ones)."""
+    return sorted(name for name in os.listdir(root) if name.startswith("step-"))
+
+
 class Job:
     """A tiny model, optimizer, scheduler and grad scaler that train deterministically."""
 
@@ -99,7 +104,7 @@ def test_saves_follow_every_steps_and_only_the_newest_k_remain(tmp_path: Path) -
         ckpt.restore()
         started = [step + 1 for step in range(10) if (job.step(), ckpt.maybe_save(step + 1))[1]]
     assert started == [3, 6, 9]
-    assert sorted(os.listdir(tmp_path)) == ["step-0000000006", "step-0000000009"]
+    assert _checkpoints(tmp_path) == ["step-0000000006", "step-0000000009"]
 
 
 def test_every_seconds_triggers_saves_by_time(tmp_path: Path) -> None:
@@ -109,7 +114,7 @@ def test_every_seconds_triggers_saves_by_time(tmp_path: Path) -> None:
         for step in range(3):
             job.step()
             assert ckpt.maybe_save(step + 1)
-    assert len(os.listdir(tmp_path)) == 3
+    assert len(_checkpoints(tmp_path)) == 3
 
 
 def test_a_due_save_is_skipped_with_a_log_line_while_one_is_in_flight(
@@ -135,7 +140,7 @@ def test_a_due_save_is_skipped_with_a_log_line_while_one_is_in_flight(
         assert not ckpt.maybe_save(4)  # due, but the save of step 2 is still in flight
         assert "skipping the checkpoint of step 4" in caplog.text
         release.set()
-    assert sorted(os.listdir(tmp_path)) == ["step-0000000002"]
+    assert _checkpoints(tmp_path) == ["step-0000000002"]
 
 
 def test_sigterm_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
@@ -150,7 +155,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None
     with pytest.raises(SystemExit) as info:
         ckpt.maybe_save(2)
     assert info.value.code == ck.EXIT_PREEMPTED == 75
-    assert sorted(os.listdir(tmp_path)) == ["step-0000000002"]
+    assert _checkpoints(tmp_path) == ["step-0000000002"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was removed
 
 

@@ -1,0 +1,398 @@
+"""Just-in-time save: when a peer dies, keep the last completed step instead of losing to it.
+
+The ranks of a replicated (DDP) job hold identical model and optimizer state
+after every optimizer step, and that state changes only inside
+``optimizer.step()``. When a peer dies, the step in flight fails in a
+collective (gloo raises once the dead peer's sockets close) or hangs in one
+(a machine that vanished sends no reset), but the state of the last completed
+step is still intact in every survivor's memory. :class:`JustInTimeSaver`
+writes it then, so that the job loses at most the step in flight, whatever
+``every_steps`` is.
+
+**The step boundary.** :meth:`JustInTimeSaver.boundary` is called by
+``Checkpointer.maybe_save(step)``, after the optimizer step: it records the
+step and takes the small state (step, RNG, scheduler, extras) of that moment.
+An optimizer step pre-hook marks the live state *dirty* as soon as the next
+optimizer step begins; the save refuses dirty state (its parameters may be
+half-updated, or a step ahead of the recorded one), so a failure between
+``optimizer.step()`` and ``maybe_save`` costs the fallback to the periodic
+checkpoint on that rank, never a wrong one. The model and optimizer tensors
+are written live (no copy): the hook and the save share a lock, so an
+optimizer step that would start while they are written waits.
+
+**Triggers.** The failure surfaces as an exception that ends the worker: a
+``sys.excepthook`` installed here saves before the interpreter exits, when the
+exception looks like a failed collective (:func:`is_collective_failure`). A
+worker blocked in a collective that never returns cannot run Python in its
+main thread; the runner writes a *notice* (``<TIDAL_PROGRESS_DIR>/peer-lost``)
+when it learns that a peer is gone, and a watcher thread saves from there.
+Either way the save happens once.
+
+**No consensus.** A broken group cannot agree on who writes. Every rank that
+writes (local rank 0 of each node: one copy per node) commits its own
+candidate ``jit-<step>-e<epoch>-r<rank>`` atomically (temporary directory,
+fsync, manifest with CRC-32s, rename), never overwriting anyone's. Candidates
+of one step are identical, so the next restore may take any valid one: the
+newest step that verifies wins (:meth:`storage.CheckpointStore.candidates`).
+A half-written candidate has no final name and is never seen; a mixed one
+cannot exist, since every file comes from one process. Restore epochs fence
+out late writers (:class:`storage.Fence`).
+
+**Telling the runner.** While saving, the rank keeps
+``<TIDAL_PROGRESS_DIR>/saving-rank-<RANK>.json`` up to date (bytes written,
+every 0.1 s): the runner waits for a worker stuck in a failed collective only
+while that file shows progress, up to a bound (:func:`keep_waiting`).
+
+Sharded (FSDP/DCP) state is not fully held by any one rank: no just-in-time
+save there; the job falls back to its last periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoints.errors import CheckpointError
+from checkpoints.state import write_replicated
+from checkpoints.storage import CheckpointFileWriter, CheckpointStore, jit_name
+
+__all__ = [
+    "JIT_ENV",
+    "NOTICE_NAME",
+    "JustInTimeSaver",
+    "SavingReport",
+    "clear_reports",
+    "is_collective_failure",
+    "keep_waiting",
+    "read_reports",
+    "write_notice",
+]
+
+log = logging.getLogger(__name__)
+
+#: Set to "0" in a worker's environment to turn just-in-time saves off (benchmarks).
+JIT_ENV = "TIDAL_JIT_SAVE"
+#: The runner's notice that a peer is gone (in the progress directory).
+NOTICE_NAME = "peer-lost"
+_REPORT = re.compile(r"^saving-rank-(\d+)\.json$")
+_POLL_S = 0.05
+_BEAT_S = 0.1
+_FAILURE_TEXT = re.compile(
+    r"gloo|nccl|connection (closed|reset) by peer|broken pipe|timed out|timeout"
+    r"|processgroup|collective|socket",
+    re.IGNORECASE,
+)
+
+# A report's states: armed (will save on a notice), saving, done, skipped, failed.
+ARMED, SAVING, DONE, SKIPPED, FAILED = "armed", "saving", "done", "skipped", "failed"
+_FINISHED = frozenset({DONE, SKIPPED, FAILED})
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a collective that failed: a dead or lost peer."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError):
+            return True
+        if isinstance(current, RuntimeError | ConnectionError | TimeoutError) and (
+            _FAILURE_TEXT.search(str(current))
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class SavingReport:
+    """What a rank tells its runner about its just-in-time save (one JSON file per rank)."""
+
+    rank: int
+    pid: int
+    state: str  # armed, saving, done, skipped, failed
+    step: int = -1
+    bytes: int = 0
+    time: float = 0.0  # time.time() of this report
+    detail: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in _FINISHED
+
+
+def _report_path(directory: Path, rank: int) -> Path:
+    return directory / f"saving-rank-{rank}.json"
+
+
+def write_report(directory: Path, report: SavingReport) -> None:
+    """Replace the rank's report (temporary file renamed over it; never raises)."""
+    path = _report_path(directory, report.rank)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        temp.write_text(json.dumps(dataclasses.asdict(report)))
+        os.replace(temp, path)
+
+
+def read_reports(directory: Path) -> dict[int, SavingReport]:
+    """Every rank's report in ``directory``, by rank (unreadable ones skipped)."""
+    found: dict[int, SavingReport] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if not _REPORT.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                if entry.stat(follow_symlinks=False).st_size > 4096:
+                    continue
+                body = json.loads(Path(entry.path).read_text())
+                report = SavingReport(
+                    rank=int(body["rank"]), pid=int(body["pid"]), state=str(body["state"]),
+                    step=int(body["step"]), bytes=int(body["bytes"]), time=float(body["time"]),
+                    detail=str(body.get("detail", ""))[:500],
+                )
+                found[report.rank] = report
+    return found
+
+
+def write_notice(directory: Path, reason: str) -> None:
+    """The runner: tell this node's workers that a peer is gone (they save, then are stopped)."""
+    temp = directory / f".{NOTICE_NAME}.tmp"
+    with contextlib.suppress(OSError):
+        temp.write_text(json.dumps({"reason": reason, "time": time.time()}))
+        os.replace(temp, directory / NOTICE_NAME)
+
+
+def clear_reports(directory: Path) -> None:
+    """The runner, before a new group starts: remove the notice and every saving report."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if entry.name == NOTICE_NAME or _REPORT.match(entry.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def keep_waiting(
+    reports: Mapping[int, SavingReport],
+    *,
+    now: float,
+    noticed_at: float,
+    progress_at: Mapping[int, float],
+    alive: Callable[[int], bool],
+    ack_s: float,
+    stall_s: float,
+    max_s: float,
+) -> bool:
+    """Whether the runner should go on waiting for its workers' just-in-time saves.
+
+    Args:
+        reports: the workers' reports, by rank.
+        now: the runner's clock (``time.monotonic()``).
+        noticed_at: when the runner wrote its notice.
+        progress_at: for each rank, when its report last changed (``bytes`` or
+            ``state``), on the same clock.
+        alive: whether a process id is still running.
+        ack_s: how long an armed worker has to start its save after the notice.
+        stall_s: a save that shows no progress this long is given up on.
+        max_s: the bound on the whole wait.
+
+    Waits only for live processes: an armed one within ``ack_s`` of the
+    notice, a saving one while it progressed within ``stall_s``; never past
+    ``max_s``. A worker that does not use the checkpoints library has no
+    report and costs nothing; one that hangs stops progressing and costs at
+    most ``stall_s`` (``ack_s`` if it never starts).
+    """
+    if now - noticed_at >= max_s:
+        return False
+    for rank, report in reports.items():
+        if report.finished or not alive(report.pid):
+            continue
+        if report.state == ARMED and now - noticed_at < ack_s:
+            return True
+        if report.state == SAVING and now - progress_at.get(rank, noticed_at) < stall_s:
+            return True
+    return False
+
+
+class JustInTimeSaver:
+    """Saves the last completed step when a collective fails or the runner says a peer is gone.
+
+    Args:
+        store: the checkpoint root.
+        rank: this process's global rank.
+        world_size: the job's world size.
+        optimizer: the optimizer whose step marks the state dirty.
+        small_state: returns the small state tree of a step (called at each boundary).
+        large_state: returns the model and optimizer state (live tensors).
+        epoch: this run's restore epoch (a property: restore sets it later).
+        progress_dir: where the runner's notice and this rank's report live (None: no runner).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        rank: int,
+        world_size: int,
+        optimizer: torch.optim.Optimizer,
+        small_state: Callable[[int], dict[str, Any]],
+        large_state: Callable[[], dict[str, Any]],
+        epoch: Callable[[], int],
+        progress_dir: Path | None,
+    ) -> None:
+        self._store, self._rank, self._world_size = store, rank, world_size
+        self._small_state, self._large_state, self._epoch = small_state, large_state, epoch
+        self._progress_dir = progress_dir
+        self._lock = threading.Lock()  # the state is not changing while this is held
+        self._step: int | None = None
+        self._small: dict[str, Any] | None = None
+        self._dirty = True  # nothing completed yet
+        self._saved = threading.Event()
+        self._started = False
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._previous_hook: Any = None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._armed_at = time.time()
+        self._writer: CheckpointFileWriter | None = None
+        self.path: Path | None = None  # the candidate written, if any
+
+    # ------------------------------------------------------------ the boundary
+
+    def boundary(self, step: int) -> None:
+        """``step`` optimizer steps are complete and nothing has changed since: remember it."""
+        small = copy.deepcopy(self._small_state(step))
+        with self._lock:
+            self._step, self._small, self._dirty = step, small, False
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        with self._lock:
+            self._dirty = True
+
+    # ---------------------------------------------------------------- triggers
+
+    def arm(self) -> None:
+        """Start saving on a failed collective (excepthook) or the runner's notice (a thread)."""
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        if self._progress_dir is None:
+            return
+        self._report(ARMED)
+        self._watcher = threading.Thread(target=self._watch, name="checkpoint-jit", daemon=True)
+        self._watcher.start()
+
+    def disarm(self) -> None:
+        """Stop watching; remove the hooks (the checkpointer is closed)."""
+        self._stop.set()
+        self._hook.remove()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook or sys.__excepthook__
+        if self._progress_dir is not None and not self._started:
+            with contextlib.suppress(OSError):
+                _report_path(self._progress_dir, self._rank).unlink()
+
+    def _excepthook(
+        self, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        try:
+            if is_collective_failure(value):
+                self.save(f"a collective failed ({kind.__name__})")
+        finally:
+            (self._previous_hook or sys.__excepthook__)(kind, value, tb)
+
+    def _watch(self) -> None:
+        assert self._progress_dir is not None
+        notice = self._progress_dir / NOTICE_NAME
+        while not self._stop.wait(_POLL_S):
+            try:
+                noticed = notice.stat().st_mtime >= self._armed_at - 1.0
+            except OSError:
+                continue
+            if noticed:
+                self.save("the runner says a peer is gone")
+                return
+
+    # -------------------------------------------------------------------- save
+
+    def save(self, reason: str) -> Path | None:
+        """Write the last completed step as this rank's candidate, once; wait if one is in flight.
+
+        Returns:
+            The candidate's path, or None when there was nothing safe to save
+            (no completed step, or an optimizer step had begun) or it failed.
+        """
+        with self._lock:
+            first = not self._started
+            self._started = True
+            if first:
+                return self._save_locked(reason)
+        self._saved.wait()
+        return self.path
+
+    def _save_locked(self, reason: str) -> Path | None:
+        try:
+            if self._step is None or self._small is None or self._dirty:
+                why = ("no step completed yet" if self._step is None
+                       else "an optimizer step had begun after the last completed step")
+                log.warning("no just-in-time save (%s): %s", reason, why)
+                self._report(SKIPPED, detail=why)
+                return None
+            step, started = self._step, time.monotonic()
+            log.warning("just-in-time save of step %d: %s", step, reason)
+            self._report(SAVING, step=step)
+            beat = threading.Thread(target=self._beat, args=(step,), daemon=True)
+            beat.start()
+            tree = {**self._small, **self._large_state()}
+            try:
+                path, _ = write_replicated(
+                    self._store, tree, step=step, world_size=self._world_size, started=started,
+                    epoch=self._epoch(),
+                    name=jit_name(step, epoch=self._epoch(), rank=self._rank),
+                    on_open=self._on_open,
+                )
+            except (CheckpointError, OSError, RuntimeError) as exc:
+                log.error("the just-in-time save of step %d failed: %s", step, exc)
+                self._report(FAILED, step=step, detail=str(exc))
+                return None
+            finally:
+                self._stop.set()
+                beat.join(timeout=1.0)  # its last report must not land after ours
+            self.path = path
+            log.warning("just-in-time save of step %d committed to %s in %.2f s",
+                        step, path, time.monotonic() - started)
+            self._report(DONE, step=step, written=self._written())
+            return path
+        finally:
+            self._saved.set()
+
+    def _on_open(self, writer: CheckpointFileWriter) -> None:
+        self._writer = writer
+
+    def _written(self) -> int:
+        return self._writer.size if self._writer is not None else 0
+
+    def _beat(self, step: int) -> None:
+        while not self._stop.wait(_BEAT_S):
+            self._report(SAVING, step=step, written=self._written())
+
+    def _report(self, state: str, *, step: int = -1, written: int = 0, detail: str = "") -> None:
+        if self._progress_dir is None:
+            return
+        write_report(self._progress_dir, SavingReport(
+            rank=self._rank, pid=os.getpid(), state=state, step=step, bytes=written,
+            time=time.time(), detail=detail,
+        ))
