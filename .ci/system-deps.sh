@@ -9,6 +9,10 @@ command -v etcd >/dev/null 2>&1 && etcd --version 2>/dev/null | grep -q "etcd Ve
 { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; } || need+=(prometheus)
 # The multi-host tests build network namespaces, veth pairs and netem qdiscs.
 { command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; } || need+=(iproute2)
+# The web page's tests (tests/browser) drive a real headless chromium through
+# chromedriver; Selenium is given both paths and never downloads either.
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

@@ -63,6 +63,8 @@ class CoordinatorSettings(EtcdSettings):
     port: int = Field(default=8470, ge=0, le=65535)
     token: SecretStr | None = None
     token_file: Path | None = None
+    # Tokens scoped to queues, one `QUEUE[,QUEUE...] TOKEN` a line (service.queues_access).
+    queue_tokens_file: Path | None = None
     insecure_no_auth: bool = False
     workdir_root: Path = Field(default_factory=Path.cwd)
     checkpoint_root: Path = Field(default_factory=lambda: Path.cwd() / ".tidal" / "checkpoints")
@@ -70,6 +72,9 @@ class CoordinatorSettings(EtcdSettings):
     reconcile_interval_s: float = Field(default=2.0, gt=0, le=300)
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     replica_id: str = Field(default_factory=_replica_id, max_length=256)
+    # The web page links each job to tidal's dashboard on this Grafana.
+    grafana_url: str | None = Field(default=None, max_length=2048,
+                                    pattern=r"^https?://[^\s\"'<>\\]+$")
 
     @model_validator(mode="after")
     def _auth(self) -> CoordinatorSettings:

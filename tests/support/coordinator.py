@@ -132,12 +132,15 @@ def job_view(api: httpx.Client, job_id: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def coordinator_and_agents(
-    *, tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+    *, tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry,
+    coordinator_flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    """A started coordinator and an (empty) agent cluster on one etcd; both logs'
-    tails are printed when the body fails. The registry stops them."""
+    """A started coordinator (with ``coordinator_flags`` added) and an (empty) agent
+    cluster on one etcd; both logs' tails are printed when the body fails. The
+    registry stops them."""
     coordinator = CoordinatorProcess(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs,
+        extra=coordinator_flags,
     ).start()
     agents = AgentCluster(
         etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs

@@ -1,0 +1,307 @@
+"""The coordinator's web page (/ui/) in a real headless chromium, against a real
+coordinator and real agents.
+
+* signing in: a wrong token is refused and shows nothing; the right one shows
+  the jobs, and a job submitted meanwhile appears;
+* a job's page: a resize by the API shows up as the new world size, an event
+  with its recovery's duration, and a change in the chart; its logs stream;
+  the Grafana link names the job; the nodes page lists the nodes and their jobs;
+* never in the page, at any point: the token, or a value of a job's environment.
+
+``TIDAL_UI_SCREENSHOTS=DIR`` saves the jobs table and the job page as
+``DIR/ui-jobs.png`` and ``DIR/ui-job.png`` (docs/ holds the ones the README shows).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rendezvous.etcd_server import EtcdServer
+from tests.support.agents import AgentCluster
+from tests.support.coordinator import (
+    TOKEN,
+    CoordinatorProcess,
+    coordinator_and_agents,
+    job_spec,
+    job_view,
+)
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+STEPPER = Path(__file__).with_name("stepper.py")
+INDEX = Path(__file__).resolve().parents[2] / "service" / "ui" / "static" / "index.html"
+SECRET = "s3cret-value-that-must-never-show"
+GRAFANA = "http://grafana.example:3000"
+SCREENSHOTS = os.environ.get("TIDAL_UI_SCREENSHOTS")
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    with coordinator_and_agents(
+        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs,
+        coordinator_flags=("--grafana-url", GRAFANA),
+    ) as both:
+        yield both
+
+
+# helpers --------------------------------------------------------------------------------
+
+_EVERYTHING_SHOWN = """
+return [document.documentElement.outerHTML, document.body.innerText, document.title,
+        location.href, document.cookie, window.name,
+        ...Array.from(document.querySelectorAll('input, textarea')).map(e => e.value)].join('\\n');
+"""
+
+
+def assert_nothing_secret(driver: Any) -> None:
+    """Neither the token nor the job's secret is anywhere in the page or its URL."""
+    shown = driver.page_source + "\n" + driver.execute_script(_EVERYTHING_SHOWN)
+    for secret in (TOKEN, SECRET):
+        assert secret not in shown, f"{secret[:6]}... is in the page"
+    assert TOKEN not in driver.current_url
+
+
+def assert_no_script_errors(driver: Any) -> None:
+    """No script error or Content-Security-Policy violation in the browser's console
+    (a refused fetch, a 401 for the wrong token or a 404, is not one)."""
+    errors = [e["message"] for e in driver.get_log("browser")
+              if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
+    assert errors == []
+
+
+def text_of(driver: Any, selector: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return str(driver.find_element(By.CSS_SELECTOR, selector).text)
+
+
+def shown(driver: Any, selector: str) -> bool:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, selector)
+    return bool(found) and found[0].is_displayed()
+
+
+def sign_in(driver: Any, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    wait_for(lambda: shown(driver, "#token"), timeout=10, what="the sign-in form")
+    field = driver.find_element(By.CSS_SELECTOR, "#token")
+    field.clear()
+    field.send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#sign-in").click()
+
+
+def job_row(driver: Any, job_id: str) -> dict[str, str] | None:
+    """The jobs table's row for ``job_id`` as {column: text}, or None."""
+    return driver.execute_script(  # type: ignore[no-any-return]
+        """
+        const row = document.querySelector('#jobs tr[data-job="' + CSS.escape(arguments[0]) + '"]');
+        if (!row) return null;
+        const names = Array.from(document.querySelectorAll('#jobs thead th'))
+          .map(th => th.innerText);
+        return Object.fromEntries(Array.from(row.cells).map((td, i) => [names[i], td.innerText]));
+        """,
+        job_id,
+    )
+
+
+def summary(driver: Any) -> dict[str, str]:
+    """The job page's summary as {label: text}."""
+    return driver.execute_script(  # type: ignore[no-any-return]
+        """
+        const out = {};
+        for (const dt of document.querySelectorAll('#job-summary dt'))
+          out[dt.innerText] = dt.nextElementSibling.innerText;
+        return out;
+        """
+    )
+
+
+def events_shown(driver: Any) -> list[dict[str, str]]:
+    return driver.execute_script(  # type: ignore[no-any-return]
+        """
+        return Array.from(document.querySelectorAll('#events-table tbody tr')).map(row => ({
+          reason: row.dataset.reason, world: row.cells[4].innerText,
+          recovery: row.cells[5].innerText}));
+        """
+    )
+
+
+def logs_route_exists(url: str) -> bool:
+    paths = httpx.get(f"{url}/openapi.json", timeout=10).json()["paths"]
+    return "/v1/jobs/{job_id}/logs" in paths
+
+
+def screenshot(driver: Any, name: str) -> None:
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.set_window_size(1280, max(900, min(int(height) + 40, 2400)))
+        driver.save_screenshot(str(Path(SCREENSHOTS) / name))
+        driver.set_window_size(1280, 900)
+
+
+# tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
+    cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
+):
+    coordinator, _ = cluster
+    api = coordinator.client()
+    driver = browser
+    # The shell is open and holds no data; what the page reads needs the token.
+    assert httpx.get(f"{coordinator.url}/ui/", timeout=10).text == INDEX.read_text()
+    assert httpx.get(f"{coordinator.url}/v1/ui/config", timeout=10).status_code == 401
+    driver.get(f"{coordinator.url}/ui")
+    assert driver.current_url == f"{coordinator.url}/ui/"
+    wait_for(lambda: shown(driver, "#login"), timeout=10, what="the sign-in form")
+    assert not shown(driver, "#jobs")
+
+    sign_in(driver, "not-the-token-0123456789")
+    wait_for(lambda: "refused" in text_of(driver, "#login-error"), timeout=10,
+             what="the wrong token refused")
+    assert not shown(driver, "#jobs") and not shown(driver, "#view")
+    assert driver.execute_script("return sessionStorage.length") == 0
+
+    sign_in(driver, TOKEN)
+    wait_for(lambda: shown(driver, "#jobs"), timeout=10, what="the jobs table")
+    assert "No jobs yet" in text_of(driver, "#jobs")
+    assert_nothing_secret(driver)
+
+    job_id = api.post("/v1/jobs", json=job_spec("appears", env={"UI_TEST_SECRET": SECRET},
+                                                min_nodes=1, max_nodes=2)).json()["job_id"]
+    row = wait_for(lambda: job_row(driver, job_id), timeout=15, what="the new job's row")
+    assert row["Name"] == "appears" and row["Phase"] == "PENDING" and row["World size"] == "0"
+    assert row["Queue"] == job_view(api, job_id)["spec"].get("queue", "—")
+    assert_nothing_secret(driver)
+
+    # A job's page: what it is, its environment by name only, the Grafana link.
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.LINK_TEXT, job_id).click()
+    wait_for(lambda: summary(driver).get("Phase") == "PENDING", timeout=10, what="the job page")
+    assert summary(driver)["Environment"] == "UI_TEST_SECRET (values hidden)"
+    href = driver.find_element(By.CSS_SELECTOR, "#grafana-link").get_attribute("href")
+    assert href == f"{GRAFANA}/d/tidal-overview/tidal?var-job_id={job_id}"
+    wait_for(lambda: [e["reason"] for e in events_shown(driver)] == ["submitted"], timeout=10,
+             what="the submitted event")
+    assert_nothing_secret(driver)
+
+    # The page's pure parts: a recovery lasts from its event to the job running again.
+    durations = driver.execute_script(
+        """
+        const ev = (seq, t, phase, reason) => ({seq, time: t, phase, reason, world_size: 2});
+        const out = window.tidalUi.recoveries([
+          ev(0, '2026-01-01T00:00:00Z', 'PENDING', 'submitted'),
+          ev(1, '2026-01-01T00:00:01Z', 'RUNNING', 'scheduled'),
+          ev(2, '2026-01-01T00:00:10Z', 'RESCALING', 'node_lost'),
+          ev(3, '2026-01-01T00:00:13.5Z', 'RUNNING', 'restarted'),
+          ev(4, '2026-01-01T00:01:00Z', 'RUNNING', 'scaled_by_user'),
+        ev(5, '2026-01-01T00:01:00Z', 'RUNNING', 'node_lost'),
+        ], Date.parse('2026-01-01T00:01:02Z'));
+        return Array.from(out.entries());
+        """
+    )
+    assert durations == [[2, {"seconds": 3.5, "ongoing": False}],
+                         [4, {"seconds": 2, "ongoing": True}]]
+
+    driver.find_element(By.LINK_TEXT, "Nodes").click()
+    wait_for(lambda: shown(driver, "#nodes"), timeout=10, what="the nodes table")
+    assert "No node is registered" in text_of(driver, "#nodes")
+
+    driver.find_element(By.CSS_SELECTOR, "#sign-out").click()
+    wait_for(lambda: shown(driver, "#login"), timeout=10, what="the sign-in form again")
+    assert driver.execute_script("return sessionStorage.length") == 0
+    assert not shown(driver, "#view")
+    assert_nothing_secret(driver)
+    assert_no_script_errors(driver)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
+    cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
+):
+    from selenium.webdriver.common.by import By
+
+    coordinator, agents = cluster
+    api = coordinator.client()
+    driver = browser
+    agents.start_agent("a")
+    agents.start_agent("b")
+    spec = job_spec("resized", command=[sys.executable, str(STEPPER)],
+                    env={"UI_TEST_SECRET": SECRET}, min_nodes=1, max_nodes=2, grace_period_s=5)
+    job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+
+    driver.get(f"{coordinator.url}/ui/")
+    sign_in(driver, TOKEN)
+
+    def running_at(size: int) -> dict[str, str] | None:
+        row = job_row(driver, job_id)
+        ok = row and row["Phase"] == "RUNNING" and row["World size"] == str(size)
+        return row if ok and row["Step"] != "—" and row["Throughput"] != "—" else None
+
+    wait_for(lambda: running_at(2), timeout=120, what="the row at world size 2, stepping")
+    assert_nothing_secret(driver)
+    screenshot(driver, "ui-jobs.png")
+
+    driver.find_element(By.LINK_TEXT, job_id).click()
+    wait_for(lambda: summary(driver).get("World size", "").startswith("2 "), timeout=30,
+             what="the job page at world size 2")
+    with_logs = logs_route_exists(coordinator.url)
+    if with_logs:
+        wait_for(lambda: "step " in text_of(driver, "#logs"), timeout=60, what="the job's logs")
+    else:  # said politely until the coordinator serves logs
+        wait_for(lambda: "not available" in text_of(driver, "#logs-status"), timeout=10,
+                 what="the logs' absence explained")
+    chart_before = driver.find_element(By.CSS_SELECTOR, "#world-size-chart path").get_attribute("d")
+
+    response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 1})
+    assert response.status_code == 200, response.text
+
+    def resized() -> list[dict[str, str]] | None:
+        # The API's event (the new bounds), then the scheduler's (a node
+        # released, world size 1): one recovery, shown on the first.
+        scaled = [e for e in events_shown(driver) if e["reason"] == "scaled_by_user"]
+        seen.update(summary=summary(driver), scaled=scaled)
+        ok = (seen["summary"].get("World size", "").startswith("1 ")
+              and seen["summary"].get("Phase") == "RUNNING"
+              and len(scaled) == 2 and scaled[0]["world"] == "1"
+              and scaled[1]["recovery"].endswith(" s") and "so far" not in scaled[1]["recovery"])
+        return scaled if ok else None
+
+    seen: dict[str, object] = {}
+    try:
+        wait_for(resized, timeout=120, what="the page at world size 1 with the resize's recovery")
+    except TimeoutError:
+        print("last seen on the page:", seen)
+        raise
+    assert driver.find_element(By.CSS_SELECTOR, "#world-size-chart path").get_attribute("d") \
+        != chart_before
+    wait_for(lambda: summary(driver).get("Step", "—") != "—", timeout=60, what="steps again")
+    if with_logs:
+        wait_for(lambda: "of 1" in text_of(driver, "#logs"), timeout=60,
+                 what="logs from world size 1")
+    assert_nothing_secret(driver)
+    screenshot(driver, "ui-job.png")
+
+    driver.find_element(By.LINK_TEXT, "Nodes").click()
+    wait_for(lambda: shown(driver, "#nodes tr[data-node='a']")
+             and shown(driver, "#nodes tr[data-node='b']"), timeout=10, what="both nodes")
+    holders = [n for n in ("a", "b") if job_id in text_of(driver, f"#nodes tr[data-node='{n}']")]
+    assert len(holders) == 1
+    assert_nothing_secret(driver)
+    assert_no_script_errors(driver)
+    api.post(f"/v1/jobs/{job_id}/cancel")
