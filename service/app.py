@@ -18,11 +18,11 @@ space.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,7 +38,6 @@ from rendezvous.election import Election
 from rendezvous.errors import EtcdError, EtcdNoSpaceError
 from rendezvous.keys import InvalidIdentifierError
 from rendezvous.records import JobNodeState, JobNodeStatus
-from service.logs import logs_router
 from service.metrics import CoordinatorMetrics
 from service.models import (
     ErrorBody,
@@ -58,8 +57,6 @@ from service.models import (
     check_storable,
     new_job_id,
 )
-from service.queues_access import QueueScope, Tokens, principal_of
-from service.queues_api import QueueStore, queue_router
 from service.scheduler import CHARGED_REASON, restart_charges, statuses_in_force
 from service.store import ConflictError, JobNotFoundError, JobStore, decode_cursor, encode_cursor
 from service.ui import ui_router
@@ -216,26 +213,6 @@ def confine(root: Path, relative: str | None, *, field: str) -> str | None:
     return str(target)
 
 
-def progress_fields(current: dict[str, JobNodeStatus], statuses: dict[str, JobNodeStatus]
-                    ) -> dict[str, Any]:
-    """JobView's progress from the nodes' reports: the largest rate (each is the job's
-    global rate as one rank measures it), the mean loss and the total over the nodes
-    in force, the newest checkpoint's time over every node."""
-    now = list(current.values())
-    rates = [st.samples_per_second for st in now if st.samples_per_second is not None]
-    losses = [st.loss for st in now if st.loss is not None]
-    totals = [st.total_steps for st in now if st.total_steps is not None]
-    saved = [st.last_checkpoint_time for st in statuses.values()
-             if st.last_checkpoint_time is not None]
-    return {
-        "samples_per_second": max(rates, default=None),
-        "loss": sum(losses) / len(losses) if losses else None,
-        "total_steps": max(totals, default=None),
-        "last_checkpoint_at": (datetime.fromtimestamp(max(saved), timezone.utc)
-                               if saved else None),
-    }
-
-
 def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     """A job as the API shows it: the record joined with its nodes' reports."""
     current = statuses_in_force(record.nodes, statuses)  # record.nodes mirrors assignments
@@ -271,7 +248,6 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
         restart_count=sum(restarts.values()),
         last_step=max(steps, default=None),
         last_checkpoint_step=max(ckpts, default=None),
-        **progress_fields(current, statuses),
         exit_reason=record.exit_reason,
         error=record.error,
         created_at=record.created_at,
@@ -290,7 +266,6 @@ def create_app(
     checkpoint_root: Path,
     election: Election | None = None,
     max_body_bytes: int = 1 << 20,
-    queue_tokens: Mapping[str, frozenset[str]] | None = None,
     on_change: Callable[[], None] = lambda: None,
     reconcile_problem: Callable[[], str | None] = lambda: None,
     grafana_url: str | None = None,
@@ -306,7 +281,6 @@ def create_app(
             directories must stay.
         election: this replica's election, for /readyz (a leader must exist).
         max_body_bytes: request bodies over this are refused with 413.
-        queue_tokens: token -> the queues it is scoped to (service.queues_access).
         on_change: called after a job changed (wakes the local reconcile loop).
         reconcile_problem: why this replica's reconcile passes are failing, or
             None (/readyz answers 503 with it).
@@ -318,20 +292,17 @@ def create_app(
         description="Elastic, fault-tolerant training jobs for PyTorch.",
         responses=ERRORS,
     )
-    tokens = Tokens(token, queue_tokens or {})
-    queues = QueueStore(store)
+    expected = token.encode() if token is not None else None
 
     def token_ok(authorization: str | None) -> bool:
-        return tokens.resolve(authorization) is not None
+        if expected is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), expected
+        )
 
-    def job_queue(job_id: str) -> str | None:
-        try:
-            return store.get(job_id)[0].spec.queue
-        except JobNotFoundError:
-            return None
-
-    # The last added runs first: the token, then the body's size, then queue scopes.
-    app.add_middleware(QueueScope, tokens=tokens, job_queue=job_queue)
+    # The last added runs first: the token, then the body's size.
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(TokenCheck, check=token_ok)
 
@@ -410,11 +381,8 @@ def create_app(
         return job_view(record, store.statuses(job_id))
 
     @app.post("/v1/jobs", status_code=201, dependencies=[Auth], tags=["jobs"])
-    def submit(spec: JobSpec, request: Request) -> JobView:
+    def submit(spec: JobSpec) -> JobView:
         """Submit a job; it starts once its minimum number of nodes is free."""
-        principal_of(request).check_queue(spec.queue)
-        if not queues.exists(spec.queue):
-            raise ApiError(422, f"invalid request: queue: queue {spec.queue} does not exist")
         try:
             check_storable(spec)
         except ValueError as exc:
@@ -434,7 +402,6 @@ def create_app(
 
     @app.get("/v1/jobs", dependencies=[Auth], tags=["jobs"])
     def list_jobs(
-        request: Request,
         phase: Annotated[JobPhase | None, Query(description="Only jobs in this phase.")] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Annotated[str | None, Query(max_length=512)] = None,
@@ -447,8 +414,6 @@ def create_app(
             except ValueError as exc:
                 raise ApiError(422, f"cursor: {exc}") from exc
         records = sorted(store.list_jobs(), key=lambda r: (r.created_at.isoformat(), r.job_id))
-        principal = principal_of(request)  # a queue token sees its queues' jobs only
-        records = [r for r in records if principal.may_use(r.spec.queue)]
         if phase is not None:
             records = [r for r in records if r.phase == phase]
         if after is not None:
@@ -567,10 +532,6 @@ def create_app(
         return one_node(node_id)
 
     app.include_router(ui_router(auth=Auth, grafana_url=grafana_url))  # the web page, /ui/
-
-    app.include_router(logs_router(store=store, auth=Auth))  # a job's logs, from its agents
-
-    app.include_router(queue_router(store=store, on_change=on_change), dependencies=[Auth])
 
     # health and metrics ----------------------------------------------------------------
 

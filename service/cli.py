@@ -175,9 +175,6 @@ def rdzv_clean(
 @click.option("--metrics-host",
               help="Address /metrics listens on (default 0.0.0.0: every interface, so that "
               "a Prometheus elsewhere can scrape it; `tidal up` uses 127.0.0.1).")
-@click.option("--logs-port", type=int,
-              help="Serve the jobs' logs to the coordinator on this port, on --metrics-host, "
-              "behind a token in the node's record (default 0: any free port).")
 @click.option("--warm-runner/--no-warm-runner", default=None,
               help="Keep a runner with torch imported ready for the next job (default: on; "
               "costs about 0.5 GB of memory while idle).")
@@ -244,8 +241,6 @@ def _announce_agent(agent: Agent, path: Path, done: threading.Event) -> None:
 @click.option("--port", type=int, help="Port to serve the API on (default 8470; 0: any free).")
 @click.option("--token", help="API bearer token (prefer TIDAL_TOKEN or --token-file).")
 @click.option("--token-file", type=click.Path(path_type=Path), help="File holding the token.")
-@click.option("--queue-tokens-file", type=click.Path(path_type=Path, dir_okay=False),
-              help="Tokens scoped to queues, one `QUEUE[,QUEUE...] TOKEN` a line.")
 @click.option("--insecure-no-auth", is_flag=True, default=None,
               help="Serve without a token (loopback only).")
 @click.option("--workdir-root", type=click.Path(path_type=Path),
