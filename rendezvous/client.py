@@ -44,14 +44,10 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pyetcd import etcdrpc
 from pyetcd import exceptions as pyetcd_exc
 from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
@@ -64,7 +60,28 @@ from rendezvous.errors import (
     EtcdUnavailableError,
     LeaseExpiredError,
 )
-from rendezvous.keys import DEFAULT_ROOT, Keys, validate_root
+from rendezvous.etcd.config import EtcdConfig, parse_endpoint
+from rendezvous.etcd.endpoints import (
+    MAX_QUARANTINE_S,
+    REFUSED_QUARANTINE_S,
+    SILENT_QUARANTINE_S,
+    EndpointPicker,
+)
+from rendezvous.etcd.types import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    Get,
+    KeyValue,
+    Put,
+    TxnOp,
+    TxnResult,
+    WatchBatch,
+    WatchEvent,
+    prefix_range_end,
+)
+from rendezvous.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -86,70 +103,6 @@ _GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
-
-
-class EtcdConfig(BaseModel):
-    """How to reach etcd. Built once per process from its settings.
-
-    Attributes:
-        endpoints: ``host:port`` or ``http(s)://host:port`` strings.
-        timeout_s: deadline of every single etcd call, in seconds.
-        root: key prefix every tidal key lives under.
-        ca_cert: CA bundle; setting it switches to TLS.
-        cert_cert / cert_key: client certificate and key (both or neither).
-        user / password: etcd authentication (both or neither).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
-    timeout_s: float = Field(default=5.0, gt=0, le=300)
-    root: str = DEFAULT_ROOT
-    ca_cert: Path | None = None
-    cert_cert: Path | None = None
-    cert_key: Path | None = None
-    user: str | None = None
-    password: SecretStr | None = None
-
-    @field_validator("endpoints")
-    @classmethod
-    def _check_endpoints(cls, value: list[str]) -> list[str]:
-        for endpoint in value:
-            parse_endpoint(endpoint)
-        return value
-
-    @field_validator("root")
-    @classmethod
-    def _check_root(cls, value: str) -> str:
-        return validate_root(value)
-
-    @property
-    def secure(self) -> bool:
-        return self.ca_cert is not None
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``[scheme://]host:port`` into ``(host, port)``.
-
-    Raises:
-        ValueError: the endpoint has no port, a non-numeric port or an
-            unsupported scheme.
-    """
-    rest = endpoint.strip()
-    if "://" in rest:
-        scheme, rest = rest.split("://", 1)
-        if scheme not in ("http", "https"):
-            raise ValueError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
-    rest = rest.rstrip("/")
-    if rest.startswith("["):  # [::1]:2379
-        host, _, port_text = rest[1:].partition("]:")
-    else:
-        host, sep, port_text = rest.rpartition(":")
-        if not sep:
-            raise ValueError(f"etcd endpoint {endpoint!r} has no port (expected host:port)")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"etcd endpoint {endpoint!r} is not host:port with a port in 1-65535")
-    return host, int(port_text)
 
 
 # etcd no longer accepts the token we hold: get a new one and retry (what
@@ -195,107 +148,6 @@ def _tls_problem(detail: str, config: EtcdConfig) -> str | None:
             "in etcd's --trusted-ca-file, and still valid?"
         )
     return None
-
-
-# How long an endpoint is skipped after a call to it failed. A refused
-# connection is what a restarting member looks like: try it again soon. No
-# answer at all within the deadline is what a member cut off from the network
-# (or paused) looks like; every call sent to it costs a whole deadline, so stay
-# away longer, and longer still while it keeps failing that way.
-REFUSED_QUARANTINE_S = 2.0
-SILENT_QUARANTINE_S = 10.0
-MAX_QUARANTINE_S = 60.0
-
-
-class EndpointPicker:
-    """Decides which etcd endpoint the next call goes to. Thread-safe; no I/O.
-
-    Calls stick to the current endpoint while it answers. When a call fails,
-    the endpoint *that call went to* is quarantined (another thread may have
-    moved on already; blaming the current one would punish a healthy member),
-    and the next call goes to the next endpoint in order that is not
-    quarantined. If every endpoint is, the one whose quarantine ends first is
-    used: the picker never refuses to try, so a client whose members all
-    failed at once (an etcd restart, this host's network down) works again as
-    soon as one answers. With a single endpoint nothing is ever quarantined.
-
-    Args:
-        endpoints: the endpoints' labels (``host:port``), in failover order.
-        first: where calls go until one fails; the first of ``endpoints`` by default.
-        clock: monotonic seconds; injectable for tests.
-
-    Raises:
-        ValueError: no endpoints, or ``first`` is not one of them.
-    """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        first: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not endpoints:
-            raise ValueError("EndpointPicker needs at least one endpoint")
-        self._order = list(dict.fromkeys(endpoints))
-        if first is not None and first not in self._order:
-            raise ValueError(f"first endpoint {first!r} is not one of {self._order}")
-        self._current = self._order[0] if first is None else first
-        self._bad_until = dict.fromkeys(self._order, 0.0)
-        self._silences = dict.fromkeys(self._order, 0)  # deadlines missed in a row
-        self._clock = clock
-        self._lock = threading.Lock()
-
-    @property
-    def current(self) -> str:
-        """The endpoint calls go to now (as of the last :meth:`pick`)."""
-        return self._current
-
-    def quarantined_for(self, endpoint: str) -> float:
-        """Seconds until ``endpoint`` may be picked again (0 if it may now)."""
-        with self._lock:
-            return max(0.0, self._bad_until[endpoint] - self._clock())
-
-    def pick(self) -> str:
-        """The endpoint for the next call (the current one, unless it is quarantined)."""
-        with self._lock:
-            now = self._clock()
-            if self._bad_until[self._current] <= now:
-                return self._current
-            start = self._order.index(self._current)
-            ring = self._order[start + 1 :] + self._order[: start + 1]
-            usable = [e for e in ring if self._bad_until[e] <= now]
-            chosen = usable[0] if usable else min(ring, key=lambda e: self._bad_until[e])
-            if chosen != self._current:
-                log.info(
-                    "etcd: calls go to %s now; %s is skipped for %.1f s",
-                    chosen,
-                    self._current,
-                    self._bad_until[self._current] - now,
-                )
-                self._current = chosen
-            return chosen
-
-    def failed(self, endpoint: str, *, silent: bool) -> None:
-        """A call to ``endpoint`` failed: it was refused, or (``silent``) got no answer in time."""
-        if len(self._order) < 2 or endpoint not in self._bad_until:
-            return
-        with self._lock:
-            if silent:
-                self._silences[endpoint] += 1
-                doublings = min(self._silences[endpoint] - 1, 8)
-                pause = min(SILENT_QUARANTINE_S * 2**doublings, MAX_QUARANTINE_S)
-            else:
-                pause = REFUSED_QUARANTINE_S
-            self._bad_until[endpoint] = max(self._bad_until[endpoint], self._clock() + pause)
-
-    def answered(self, endpoint: str) -> None:
-        """A call to ``endpoint`` got an answer: whatever was held against it is forgotten."""
-        if endpoint not in self._bad_until:
-            return
-        with self._lock:
-            self._bad_until[endpoint] = 0.0
-            self._silences[endpoint] = 0
 
 
 # gRPC codes that blame the endpoint: it is unreachable, silent or broken.
@@ -401,85 +253,6 @@ class _PyetcdClient(MultiEndpointEtcd3Client):  # type: ignore[misc]  # pyetcd i
         super()._manage_grpc_errors(exc)
 
 
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as etcd holds it."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change seen by a watch."""
-
-    kind: Literal["put", "delete"]
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-    version: int = 0
-
-
-@dataclass(frozen=True)
-class WatchBatch:
-    """The events of one watch response; ``revision`` is the store's revision."""
-
-    revision: int
-    events: tuple[WatchEvent, ...]
-
-
-# Transaction building blocks: plain data, turned into protobuf at the boundary.
-CompareTarget = Literal["version", "create", "mod", "value", "lease"]
-CompareOp = Literal["==", "!=", "<", ">"]
-
-
-@dataclass(frozen=True)
-class Compare:
-    """A transaction guard such as ``Compare(key, "mod", "==", 42)``."""
-
-    key: str
-    target: CompareTarget
-    op: CompareOp
-    value: int | bytes
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    prefix: bool = False
-
-
-@dataclass(frozen=True)
-class Get:
-    key: str
-    prefix: bool = False
-
-
-TxnOp = Put | Delete | Get
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """Whether the guards held, and what each ``Get`` of the taken branch saw."""
-
-    succeeded: bool
-    revision: int
-    gets: tuple[tuple[KeyValue, ...], ...]
-
-
 _TARGETS = {
     "version": etcdrpc.Compare.VERSION,
     "create": etcdrpc.Compare.CREATE,
@@ -493,16 +266,6 @@ _OPS = {
     "<": etcdrpc.Compare.LESS,
     ">": etcdrpc.Compare.GREATER,
 }
-
-
-def prefix_range_end(prefix: str) -> bytes:
-    """The exclusive end of the key range that starts with ``prefix``."""
-    end = bytearray(prefix.encode())
-    for i in reversed(range(len(end))):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"  # every key
 
 
 def _kv(kv: Any) -> KeyValue:
@@ -1172,13 +935,20 @@ def create_client(config: EtcdConfig, *, probe: bool = True) -> EtcdClient:
 
 
 __all__ = [
+    "MAX_QUARANTINE_S",
+    "REFUSED_QUARANTINE_S",
+    "SILENT_QUARANTINE_S",
     "Compare",
+    "CompareOp",
+    "CompareTarget",
     "Delete",
+    "EndpointPicker",
     "EtcdClient",
     "EtcdConfig",
     "Get",
     "KeyValue",
     "Put",
+    "TxnOp",
     "TxnResult",
     "WatchBatch",
     "WatchEvent",
