@@ -11,6 +11,7 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/nodes/<node>                  live node record, attached to the node's lease
     P/assignments/<node>/<job>      which jobs a node must run
     P/drains/<node>                 an operator's request that a node take no work
+    P/queues/<queue>                a queue's guarantee, limit and weight (coordinator)
     P/status/<job>/<node>           what a node's agent reports for a job
     P/events/<job>/<seq>            job lifecycle events
     P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
@@ -129,6 +130,13 @@ class Keys:
 
     def drain(self, node_id: str) -> str:
         return self.drains_prefix() + validate_id(node_id, what="node id")
+
+    # queues (written by the coordinator, on the admin's request)
+    def queues_prefix(self) -> str:
+        return f"{self.root}/queues/"
+
+    def queue(self, name: str) -> str:
+        return self.queues_prefix() + validate_id(name, what="queue name")
 
     # status
     def status_prefix(self) -> str:

@@ -18,11 +18,10 @@ space.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -57,6 +56,8 @@ from service.models import (
     check_storable,
     new_job_id,
 )
+from service.queues_access import QueueScope, Tokens, principal_of
+from service.queues_api import QueueStore, queue_router
 from service.scheduler import CHARGED_REASON, restart_charges, statuses_in_force
 from service.store import ConflictError, JobNotFoundError, JobStore, decode_cursor, encode_cursor
 from service.ui import ui_router
@@ -266,6 +267,7 @@ def create_app(
     checkpoint_root: Path,
     election: Election | None = None,
     max_body_bytes: int = 1 << 20,
+    queue_tokens: Mapping[str, frozenset[str]] | None = None,
     on_change: Callable[[], None] = lambda: None,
     reconcile_problem: Callable[[], str | None] = lambda: None,
     grafana_url: str | None = None,
@@ -281,6 +283,7 @@ def create_app(
             directories must stay.
         election: this replica's election, for /readyz (a leader must exist).
         max_body_bytes: request bodies over this are refused with 413.
+        queue_tokens: token -> the queues it is scoped to (service.queues_access).
         on_change: called after a job changed (wakes the local reconcile loop).
         reconcile_problem: why this replica's reconcile passes are failing, or
             None (/readyz answers 503 with it).
@@ -292,17 +295,20 @@ def create_app(
         description="Elastic, fault-tolerant training jobs for PyTorch.",
         responses=ERRORS,
     )
-    expected = token.encode() if token is not None else None
+    tokens = Tokens(token, queue_tokens or {})
+    queues = QueueStore(store)
 
     def token_ok(authorization: str | None) -> bool:
-        if expected is None:
-            return True
-        scheme, _, given = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), expected
-        )
+        return tokens.resolve(authorization) is not None
 
-    # The last added runs first: the token, then the body's size.
+    def job_queue(job_id: str) -> str | None:
+        try:
+            return store.get(job_id)[0].spec.queue
+        except JobNotFoundError:
+            return None
+
+    # The last added runs first: the token, then the body's size, then queue scopes.
+    app.add_middleware(QueueScope, tokens=tokens, job_queue=job_queue)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(TokenCheck, check=token_ok)
 
@@ -381,8 +387,11 @@ def create_app(
         return job_view(record, store.statuses(job_id))
 
     @app.post("/v1/jobs", status_code=201, dependencies=[Auth], tags=["jobs"])
-    def submit(spec: JobSpec) -> JobView:
+    def submit(spec: JobSpec, request: Request) -> JobView:
         """Submit a job; it starts once its minimum number of nodes is free."""
+        principal_of(request).check_queue(spec.queue)
+        if not queues.exists(spec.queue):
+            raise ApiError(422, f"invalid request: queue: queue {spec.queue} does not exist")
         try:
             check_storable(spec)
         except ValueError as exc:
@@ -402,6 +411,7 @@ def create_app(
 
     @app.get("/v1/jobs", dependencies=[Auth], tags=["jobs"])
     def list_jobs(
+        request: Request,
         phase: Annotated[JobPhase | None, Query(description="Only jobs in this phase.")] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Annotated[str | None, Query(max_length=512)] = None,
@@ -414,6 +424,8 @@ def create_app(
             except ValueError as exc:
                 raise ApiError(422, f"cursor: {exc}") from exc
         records = sorted(store.list_jobs(), key=lambda r: (r.created_at.isoformat(), r.job_id))
+        principal = principal_of(request)  # a queue token sees its queues' jobs only
+        records = [r for r in records if principal.may_use(r.spec.queue)]
         if phase is not None:
             records = [r for r in records if r.phase == phase]
         if after is not None:
@@ -532,6 +544,8 @@ def create_app(
         return one_node(node_id)
 
     app.include_router(ui_router(auth=Auth, grafana_url=grafana_url))  # the web page, /ui/
+
+    app.include_router(queue_router(store=store, on_change=on_change), dependencies=[Auth])
 
     # health and metrics ----------------------------------------------------------------
 

@@ -241,6 +241,8 @@ def _announce_agent(agent: Agent, path: Path, done: threading.Event) -> None:
 @click.option("--port", type=int, help="Port to serve the API on (default 8470; 0: any free).")
 @click.option("--token", help="API bearer token (prefer TIDAL_TOKEN or --token-file).")
 @click.option("--token-file", type=click.Path(path_type=Path), help="File holding the token.")
+@click.option("--queue-tokens-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Tokens scoped to queues, one `QUEUE[,QUEUE...] TOKEN` a line.")
 @click.option("--insecure-no-auth", is_flag=True, default=None,
               help="Serve without a token (loopback only).")
 @click.option("--workdir-root", type=click.Path(path_type=Path),

@@ -21,6 +21,7 @@ from rendezvous.client import EtcdClient, create_client
 from rendezvous.election import Election
 from service.app import create_app
 from service.metrics import ClusterCollector, CoordinatorMetrics
+from service.queues_access import load_queue_tokens
 from service.reconciler import Reconciler
 from service.settings import CoordinatorSettings
 from service.store import JobStore, Snapshot
@@ -40,6 +41,8 @@ class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
         self.token = settings.resolve_token()
+        tokens_file = settings.queue_tokens_file
+        self.queue_tokens = load_queue_tokens(tokens_file) if tokens_file is not None else {}
         self.client: EtcdClient = create_client(settings.etcd_config())
         self.store = JobStore(self.client)
         self.registry = CollectorRegistry()
@@ -62,6 +65,7 @@ class Coordinator:
             checkpoint_root=settings.checkpoint_root,
             election=self.election,
             max_body_bytes=settings.max_body_bytes,
+            queue_tokens=self.queue_tokens,
             on_change=self.reconciler.wake,
             reconcile_problem=self.reconciler.problem,
             grafana_url=settings.grafana_url,

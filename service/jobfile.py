@@ -35,7 +35,6 @@ HINTS = {
     "grace_period": "the key is grace_period_s (seconds)",
     "restarts": "the key is max_restarts",
     "gpus": "the key is gpus_per_node",
-    "queue": "queues do not exist yet; use priority",
     "global_batch_size": "it belongs under resize_policy",
     "lr_rule": "it belongs under resize_policy",
 }

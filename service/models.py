@@ -42,6 +42,7 @@ from rendezvous.records import (
     check_env,
     utcnow,
 )
+from service.queues import DEFAULT_QUEUE, QueueName
 
 # A job's name is a label people read and part of its id: letters, digits,
 # '.', '_' and '-', starting with a letter or digit.
@@ -141,6 +142,10 @@ class EventReason(str, Enum):
     WAITING_FOR_FIRST_STEP = "waiting_for_first_step"
     # a worker or the runner failed on a node and a restart was charged to its budget
     RESTART_CHARGED = "restart_charged"
+    # the scheduler took slots back for another job (service.queues): shrunk toward
+    # its minimum (a graceful resize), or stopped whole and back to PENDING
+    RECLAIMED = "reclaimed"
+    PREEMPTED = "preempted"
 
 
 ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]
@@ -209,7 +214,9 @@ class JobSpec(BaseModel):
     node_selector: dict[LabelKey, LabelValue] = Field(
         default_factory=dict, max_length=32, description="Labels a node must carry."
     )
-    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is scheduled first.")
+    priority: int = Field(default=0, ge=-1000, le=1000,
+                          description="Higher is scheduled first within the job's queue.")
+    queue: QueueName = Field(default=DEFAULT_QUEUE, description="The queue the job runs in.")
     resize_policy: ResizePolicy | None = None
     grace_period_s: float = Field(
         default=30.0, gt=0, le=3600, description="SIGTERM to SIGKILL when a node leaves the job."
@@ -441,6 +448,7 @@ class SpecView(BaseModel):
     max_restarts: int
     node_selector: dict[str, str]
     priority: int
+    queue: str = "default"
     resize_policy: ResizePolicy | None
     grace_period_s: float
 

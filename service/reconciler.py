@@ -132,7 +132,7 @@ class Reconciler:
     def start(self) -> Reconciler:
         keys = self.store.keys
         for prefix in (keys.jobs_prefix(), keys.nodes_prefix(), keys.drains_prefix(),
-                       keys.assignments_prefix(), keys.status_prefix()):
+                       keys.assignments_prefix(), keys.status_prefix(), keys.queues_prefix()):
             self._watchers.append(
                 PrefixWatcher(self.store.client, prefix, on_event=self._on_event,
                               name=f"coordinator watch {prefix}").start()

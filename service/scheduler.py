@@ -40,9 +40,10 @@ thousands of nodes never makes an event or condition too big to store.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from rendezvous.gpus import gpus_free
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus
@@ -56,6 +57,7 @@ from service.models import (
     JobPhase,
     JobRecord,
 )
+from service.queues import QueueSpec, with_default
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,42 @@ class ClusterView:
     draining: frozenset[str] = frozenset()
     assignments: dict[str, dict[str, Assignment]] = field(default_factory=dict)  # job -> node ->
     statuses: dict[str, dict[str, JobNodeStatus]] = field(default_factory=dict)  # job -> node ->
+    queues: dict[str, QueueSpec] = field(default_factory=dict)  # name -> (default: implicit)
+
+
+#: How long a job that cannot fit waits before its nodes are reserved (see Policy).
+RESERVE_AFTER_S = 60.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The scheduler's tunables (the defaults are the coordinator's).
+
+    ``reserve_after_s``: a waiting job that has not fitted for this long gets a
+    reservation (:class:`Reservation`); ``math.inf`` turns reservations off.
+    """
+
+    reserve_after_s: float = RESERVE_AFTER_S
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Nodes held for a waiting job: no job borrowing beyond its queue's guarantee
+    starts or grows on them, so the job starts once the work already there ends."""
+
+    job_id: str
+    nodes: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Slots taken back from ``victim`` (shrunk, or ``preempted`` whole) for ``waiter``."""
+
+    victim: str
+    waiter: str
+    nodes: tuple[str, ...]
+    preempted: bool
+    cross_queue: bool
 
 
 @dataclass
@@ -78,6 +116,8 @@ class JobChange:
     put: dict[str, Assignment] = field(default_factory=dict)  # node -> new assignment
     delete: list[str] = field(default_factory=list)  # nodes whose assignment goes
     events: list[JobEvent] = field(default_factory=list)
+    # the job whose waiting made this job give slots back (see Reclaim), if any
+    reclaimed_for: str | None = None
 
     @property
     def decisions(self) -> int:
@@ -204,10 +244,38 @@ def _order(record: JobRecord) -> tuple[int, datetime, str]:
     return (-record.spec.priority, record.created_at, record.job_id)
 
 
+def waiting_since(record: JobRecord) -> datetime:
+    """When a job below its minimum began to wait: its submission, or when it lost
+    its ``Scheduled`` condition (a preemption, lost nodes)."""
+    for cond in record.conditions:
+        if cond.type == "Scheduled" and not cond.status:
+            return cond.last_transition_time
+    return record.created_at
+
+
+@dataclass
+class Decision:
+    """What :func:`decide` chose: the changes, and why (for tests and the simulator)."""
+
+    changes: list[JobChange]
+    reservations: list[Reservation]
+    reclaims: list[Reclaim]
+
+
 class _Planner:
-    def __init__(self, view: ClusterView, now: datetime) -> None:
+    def __init__(self, view: ClusterView, now: datetime, policy: Policy = Policy()) -> None:
         self.view = view
         self.now = now
+        self.policy = policy
+        self.queues = with_default(view.queues)
+        self.used: dict[str, int] = {}  # queue -> slots its jobs hold (this pass's members)
+        self.reserved: dict[str, str] = {}  # node -> the job it is reserved for
+        self.reservations: list[Reservation] = []
+        self.reclaims: list[Reclaim] = []
+        self.preempted: set[str] = set()
+        # job -> (nodes its gang start placed, its members then); job -> nodes grown
+        self.gangs: dict[str, tuple[list[str], int]] = {}
+        self.grown: dict[str, list[str]] = {}
         self.changes: dict[str, JobChange] = {}
         self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
         self.free: dict[str, int] = {}
@@ -305,12 +373,11 @@ class _Planner:
             active.append(record)
         for record in active:
             self._rebound(record)
-        # Gang start: jobs below their minimum first, then growth toward maximum.
         for record in active:
-            self._grow(record, to_min_only=True)
+            self._hold(record, len(self.members[record.job_id]))
+        self._place(active)
         for record in active:
-            self._grow(record, to_min_only=False)
-        for record in active:
+            self._announce(record)
             self._settle_phase(record)
         # A job's change is created by whichever step touches it first, so the
         # dict's order is not the jobs' order: sort, as plan() promises.
@@ -444,12 +511,305 @@ class _Planner:
                 released,
             )
 
-    def _fits(self, record: JobRecord, node_id: str) -> bool:
+    # queues --------------------------------------------------------------------------
+
+    def _queue(self, record: JobRecord) -> QueueSpec:
+        """The job's queue; one that is gone guarantees nothing and limits nothing."""
+        name = record.spec.queue
+        return self.queues.get(name) or QueueSpec(name=name, created_at=record.created_at)
+
+    def _hold(self, record: JobRecord, nodes: int) -> None:
+        """Count ``nodes`` more (or fewer) nodes of the job against its queue."""
+        name = record.spec.queue
+        self.used[name] = self.used.get(name, 0) + nodes * record.spec.nproc_per_node
+
+    def _limit_room(self, record: JobRecord) -> int:
+        """Slots the job's queue may still take before its limit."""
+        queue = self._queue(record)
+        if queue.limit is None:
+            return 1 << 62
+        return max(0, queue.limit - self.used.get(queue.name, 0))
+
+    def _borrowed(self, name: str) -> float:
+        """Slots the queue holds beyond its guarantee, per unit of weight."""
+        queue = self.queues.get(name) or QueueSpec(name=name)
+        return max(0, self.used.get(name, 0) - queue.guaranteed) / queue.weight
+
+    def _below_min(self, record: JobRecord) -> bool:
+        return len(self.members[record.job_id]) < record.spec.min_nodes
+
+    def _ahead(self, record: JobRecord) -> int:
+        """Slots held by the jobs of the job's queue that come before it: its own,
+        and those of jobs of its priority or higher."""
+        total = 0
+        for job_id, kept in self.members.items():
+            other = self.view.jobs[job_id]
+            if other.spec.queue == record.spec.queue and kept and (
+                job_id == record.job_id or other.spec.priority >= record.spec.priority
+            ):
+                total += len(kept) * other.spec.nproc_per_node
+        return total
+
+    def _owed(self, record: JobRecord) -> bool:
+        """Whether the job's start is within its queue's guarantee (see :meth:`_reclaim`)."""
+        spec = record.spec
+        if self._queue(record).guaranteed == 0:
+            return False
+        need = (spec.min_nodes - len(self.members[record.job_id])) * spec.nproc_per_node
+        return self._ahead(record) + need <= self._queue(record).guaranteed
+
+    def _share(self, record: JobRecord) -> int:
+        """Slots of the job's queue's guarantee left for it by the jobs before it
+        (in priority, then submission order): what it holds within the guarantee."""
+        before = 0
+        mine = _order(record)
+        for job_id, kept in self.members.items():
+            other = self.view.jobs[job_id]
+            if other.spec.queue == record.spec.queue and kept and _order(other) < mine:
+                before += len(kept) * other.spec.nproc_per_node
+        return max(0, self._queue(record).guaranteed - before)
+
+    # placing -------------------------------------------------------------------------
+
+    def _place(self, active: list[JobRecord]) -> None:
+        """Give out free slots: guarantees first (reclaiming borrowed slots for a
+        job that waits within its queue's guarantee), then reservations for jobs
+        that waited too long, then idle slots to everyone, shared by weight."""
+        for record in active:
+            if record.job_id in self.preempted:
+                continue  # it just gave its slots back: it does not take others'
+            if self._below_min(record) and self._owed(record) and not self._grow(
+                record, to_min_only=True
+            ):
+                self._reclaim(record)
+        for record in active:
+            room = self._queue(record).guaranteed - self.used.get(record.spec.queue, 0)
+            if room >= record.spec.nproc_per_node and not self._below_min(record):
+                self._grow(record, to_min_only=False, most=room // record.spec.nproc_per_node)
+        self._reserve(active)
+        self._borrow(active)
+
+    def _borrow(self, active: list[JobRecord]) -> None:
+        """Idle slots to the queues by weight: the queue with the fewest borrowed
+        slots per weight places next (a gang start, else one node of growth),
+        in its own order of priority then submission."""
+        gangs: dict[str, list[JobRecord]] = {}
+        for record in active:
+            if record.job_id not in self.preempted:  # it gave its slots back this pass
+                gangs.setdefault(record.spec.queue, []).append(record)
+        growing: dict[str, list[JobRecord]] = {}
+        while gangs or growing:
+            name = min({*gangs, *growing}, key=lambda q: (self._borrowed(q), q))
+            if name in gangs:
+                # Free slots only shrink within a pass: a job that did not fit
+                # now never will in this pass, so each is tried once.
+                jobs = gangs[name]
+                while jobs and not (
+                    self._below_min(jobs[0])
+                    and self._grow(jobs[0], to_min_only=True, borrowing=True)
+                ):
+                    jobs.pop(0)
+                if jobs:
+                    jobs.pop(0)
+                    continue
+                del gangs[name]
+                growing[name] = [
+                    r for r in active if r.spec.queue == name and r.job_id not in self.preempted
+                ]
+                continue
+            jobs = growing[name]
+            while jobs and not self._grow(jobs[0], to_min_only=False, most=1, borrowing=True):
+                jobs.pop(0)
+            if not jobs:
+                del growing[name]
+
+    def _reserve(self, active: list[JobRecord]) -> None:
+        """Reserve nodes for the first job of each queue that has waited
+        ``policy.reserve_after_s`` without fitting: the nodes with the most free
+        slots among those it could run on, not reserved for another job."""
+        if math.isinf(self.policy.reserve_after_s):
+            return
+        patience = timedelta(seconds=self.policy.reserve_after_s)
+        served: set[str] = set()
+        for record in active:
+            spec = record.spec
+            job_id = record.job_id
+            if spec.queue in served or not self._below_min(record) or job_id in self.preempted:
+                continue
+            served.add(spec.queue)  # the first waiting job of its queue, or none
+            if self.now - waiting_since(record) < patience:
+                continue
+            need = spec.min_nodes - len(self.members[job_id])
+            if need * spec.nproc_per_node > self._limit_room(record):
+                continue
+            usable = sorted(
+                (n for n, info in self.view.nodes.items()
+                 if n in self.free and n not in self.reserved
+                 and info.slots >= spec.nproc_per_node
+                 and n not in self.members[job_id] and n not in self.left.get(job_id, ())
+                 and all(info.labels.get(k) == v for k, v in spec.node_selector.items())),
+                key=lambda n: (-self.free[n], n),
+            )
+            if len(usable) < need:
+                continue  # it could not run even on an idle cluster (as it is now)
+            if sum(1 for n in usable if self._fits(record, n)) >= need:
+                continue  # it fits now: it needs no reservation
+            chosen = usable[:need]
+            for node_id in chosen:
+                self.reserved[node_id] = job_id
+            self.reservations.append(Reservation(job_id, frozenset(chosen)))
+
+    # reclaiming ----------------------------------------------------------------------
+
+    def _reclaim(self, waiter: JobRecord) -> None:
+        """Take slots back for a job that waits within its queue's guarantee.
+
+        From other queues, at most what its queue is owed (its guarantee less
+        what it holds), and only slots those queues hold beyond their own
+        guarantees; from its own queue, from jobs of lower priority. First by
+        shrinking elastic jobs toward their minimum, one node at a time, then
+        by preempting whole jobs; lowest priority first, newest first. Nothing
+        is taken unless the job then fits; the slots freed are held for it
+        (nobody gets them in this pass; it starts in the next one).
+        """
+        queue = self._queue(waiter)
+        owed = max(0, queue.guaranteed - self.used.get(queue.name, 0))
+        victims = [
+            self.view.jobs[j] for j, kept in self.members.items()
+            if kept and j != waiter.job_id and j not in self.preempted
+            and not self._below_min(self.view.jobs[j])
+        ]
+
+        def cross(v: JobRecord) -> bool:
+            return v.spec.queue != queue.name
+
+        def eligible(v: JobRecord) -> bool:
+            if cross(v):
+                return owed > 0 and self._share(v) < len(self.members[v.job_id]) * (
+                    v.spec.nproc_per_node)
+            return v.spec.priority < waiter.spec.priority
+
+        victims = [v for v in victims if eligible(v)]
+        victims.sort(key=lambda v: (not cross(v), -self._borrowed(v.spec.queue),
+                                    v.spec.priority, -v.created_at.timestamp(), v.job_id))
+        steps: list[tuple[JobRecord, list[str]]] = []
+        taken = 0  # slots from other queues
+        for v in victims:  # shrinks
+            kept = self.members[v.job_id]
+            nproc = v.spec.nproc_per_node
+            floor = v.spec.min_nodes
+            if cross(v):
+                floor = max(floor, -(-self._share(v) // nproc))
+            spare = len(kept) - floor
+            others = [per_node for j, per_node in self.members.items() if j != v.job_id]
+            useful = sorted(  # nodes the waiter could use were this victim not there
+                (n for n in kept
+                 if self._fits(waiter, n, {n: self.view.nodes[n].slots}, others)),
+                key=lambda n: (-kept[n].generation, n),
+            )
+            for node_id in useful[:max(0, spare)]:
+                if cross(v) and taken >= owed:
+                    break
+                steps.append((v, [node_id]))
+                taken += nproc if cross(v) else 0
+                if self._fits_after(waiter, steps):
+                    self._commit_reclaim(waiter, self._minimal(waiter, steps))
+                    return
+        for v in reversed(victims):  # preemptions: lowest priority, newest first
+            if cross(v) and (taken >= owed or self._share(v) >= v.spec.min_nodes * (
+                    v.spec.nproc_per_node)):
+                continue  # within its guarantee at its minimum: shrink only
+            steps.append((v, sorted(self.members[v.job_id])))
+            taken += len(self.members[v.job_id]) * v.spec.nproc_per_node if cross(v) else 0
+            if self._fits_after(waiter, steps):
+                self._commit_reclaim(waiter, self._minimal(waiter, steps))
+                return
+
+    def _fits_after(self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]) -> bool:
+        """Whether the job's gang fits once the nodes of ``steps`` are released."""
+        free = dict(self.free)
+        released: dict[str, set[str]] = {}
+        for v, nodes in steps:
+            for node_id in set(nodes) - released.get(v.job_id, set()):
+                free[node_id] = free.get(node_id, 0) + v.spec.nproc_per_node
+            released.setdefault(v.job_id, set()).update(nodes)
+        placed = [
+            {n: a for n, a in per_node.items() if n not in released.get(job_id, ())}
+            for job_id, per_node in self.members.items()
+        ]
+        need = waiter.spec.min_nodes - len(self.members[waiter.job_id])
+        return sum(1 for n in free if self._fits(waiter, n, free, placed)) >= need
+
+    def _minimal(
+        self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]
+    ) -> list[tuple[JobRecord, list[str]]]:
+        """``steps`` without those the job fits without (latest kept: it made it fit)."""
+        kept = list(steps)
+        for i in range(len(kept) - 2, -1, -1):
+            trial = kept[:i] + kept[i + 1:]
+            if self._fits_after(waiter, trial):
+                kept = trial
+        return kept
+
+    def _commit_reclaim(
+        self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]
+    ) -> None:
+        released: dict[str, set[str]] = {}
+        for v, nodes in steps:
+            released.setdefault(v.job_id, set()).update(nodes)
+        queue = waiter.spec.queue
+        for job_id, release in sorted(released.items()):
+            nodes = sorted(release)
+            v = self.view.jobs[job_id]
+            kept = self.members[job_id]
+            before = len(kept)
+            for node_id in nodes:
+                del kept[node_id]  # its slots stay taken: they are held for the waiter
+            self._hold(v, -len(nodes))
+            change = self.change(job_id)
+            change.delete.extend(sorted(nodes))
+            change.reclaimed_for = waiter.job_id
+            if v.spec.queue != queue:
+                why = (f"for job {waiter.job_id} of queue {queue}, which is below its "
+                       f"guarantee of {self._queue(waiter).guaranteed} slot(s)")
+            else:
+                why = (f"for job {waiter.job_id} of the same queue, of higher priority "
+                       f"({waiter.spec.priority} > {v.spec.priority})")
+            preempted = len(kept) < v.spec.min_nodes
+            self.reclaims.append(Reclaim(job_id, waiter.job_id, tuple(sorted(nodes)), preempted,
+                                         v.spec.queue != queue))
+            if preempted:
+                self.preempted.add(job_id)
+                rest = sorted(kept)
+                change.delete.extend(rest)
+                self._hold(v, -len(rest))
+                for node_id in rest:  # not needed by the waiter: free for others
+                    self._adjust(node_id, v.spec.nproc_per_node)
+                kept.clear()
+                self.count_restart(job_id, EventReason.PREEMPTED)
+                self.set_phase(job_id, JobPhase.PENDING, EventReason.PREEMPTED,
+                               f"preempted {why}; it resumes from its checkpoint when "
+                               f"slots are free")
+            else:
+                self.count_restart(job_id, EventReason.RECLAIMED)
+                self.event(job_id, EventReason.RECLAIMED,
+                           f"shrunk from {before} to {len(kept)} node(s), releasing "
+                           f"{names(nodes)}, {why}", sorted(nodes))
+
+
+    def _fits(
+        self, record: JobRecord, node_id: str, free: Mapping[str, int] | None = None,
+        placed: Iterable[Mapping[str, Assignment]] | None = None,
+    ) -> bool:
+        """Whether ``record``'s job may get a node on ``node_id`` (given ``free`` slots
+        and the jobs' ``placed`` assignments, for a reclaim's what-if)."""
+        free = self.free if free is None else free
+        placed = self.members.values() if placed is None else placed
         info = self.view.nodes[node_id]
         selector = record.spec.node_selector
         return (
-            node_id in self.free
-            and self.free[node_id] >= record.spec.nproc_per_node
+            node_id in free
+            and free[node_id] >= record.spec.nproc_per_node
             and node_id not in self.members[record.job_id]
             # A node whose runner just left this job is live and has free slots
             # again, but giving it back in this pass would put and delete the same
@@ -460,46 +820,86 @@ class _Planner:
             and all(info.labels.get(k) == v for k, v in selector.items())
             # GPUs: healthy ones no job placed here asks for (rendezvous.gpus).
             and (record.spec.gpus_per_node == 0 or gpus_free(
-                info, node_id, self.members.values()) >= record.spec.gpus_per_node)
+                info, node_id, placed) >= record.spec.gpus_per_node)
         )
 
-    def _grow(self, record: JobRecord, *, to_min_only: bool) -> None:
+    def _grow(
+        self, record: JobRecord, *, to_min_only: bool, most: int | None = None,
+        borrowing: bool = False,
+    ) -> int:
+        """Place the job toward its minimum (all of it or nothing) or its maximum.
+
+        Args:
+            most: place at most this many nodes (growth only).
+            borrowing: the placement goes beyond the queue's guarantee: it
+                stays off nodes reserved for another job.
+
+        Returns:
+            How many nodes were placed.
+        """
         job_id = record.job_id
         kept = self.members[job_id]
         spec = record.spec
         target = spec.min_nodes if to_min_only else spec.max_nodes
         want = target - len(kept)
+        if not to_min_only and most is not None:
+            want = min(want, most)
+        # The queue's limit, in nodes of this job.
+        want = min(want, self._limit_room(record) // spec.nproc_per_node)
         if want <= 0:
-            return
+            return 0
         if not to_min_only and len(kept) < spec.min_nodes:
             # The gang step could not give this job its minimum; growth must not
             # give it part of it either (it would hold nodes while PENDING).
-            return
+            return 0
         if not any(free >= spec.nproc_per_node for free in self.open.values()):
-            return  # nothing fits anywhere: skip the scan (2,000 pending jobs on a full cluster)
+            return 0  # nothing fits anywhere: skip the scan (2,000 pending jobs on a full cluster)
         candidates = sorted(
-            (n for n in self.open if self._fits(record, n)),
+            (n for n in self.open if self._fits(record, n)
+             and not (borrowing and self.reserved.get(n, job_id) != job_id)),
             key=lambda n: (-self.free[n], n),
         )
         if to_min_only and len(candidates) < want:
-            return  # gang: all of the minimum or nothing
+            return 0  # gang: all of the minimum or nothing
         chosen = candidates[:want]
         if not chosen:
-            return
+            return 0
+        self._hold(record, len(chosen))
         for node_id in chosen:
             kept[node_id] = self.new_assignment(job_id)
             self.change(job_id).put[node_id] = kept[node_id]
             self._adjust(node_id, -spec.nproc_per_node)
-        first_start = record.started_at is None and self.change(job_id).record.started_at is None
-        if first_start:
-            self.change(job_id).record.started_at = self.now
-            self.event(job_id, EventReason.SCHEDULED, f"scheduled on {names(kept)}", sorted(kept))
+        if to_min_only:
+            self.gangs[job_id] = (sorted(chosen), len(kept))
+            for node_id in [n for n, holder in self.reserved.items() if holder == job_id]:
+                del self.reserved[node_id]  # it got its nodes
         else:
+            self.grown.setdefault(job_id, []).extend(chosen)
+        return len(chosen)
+
+    def _announce(self, record: JobRecord) -> None:
+        """One event for the job's gang start and one for its growth in this pass."""
+        job_id = record.job_id
+        gang = self.gangs.pop(job_id, None)
+        grown = self.grown.pop(job_id, [])
+        if gang is not None:
+            chosen, members = gang
+            if record.started_at is None:
+                self.change(job_id).record.started_at = self.now
+                placed = sorted(set(self.members[job_id]) - set(grown))
+                self.event(job_id, EventReason.SCHEDULED, f"scheduled on {names(placed)}",
+                           placed, members=members)
+            else:
+                self.count_restart(job_id, EventReason.NODE_JOINED)
+                self.event(job_id, EventReason.NODE_JOINED, f"node(s) {names(chosen)} joined",
+                           chosen, members=members)
+        if grown:
             # Growth in the very pass that starts the job (gang, then toward the
             # maximum) is written in the same transaction: nothing restarts.
             if record.started_at is not None:
                 self.count_restart(job_id, EventReason.NODE_JOINED)
-            self.event(job_id, EventReason.NODE_JOINED, f"node(s) {names(chosen)} joined", chosen)
+            self.event(job_id, EventReason.NODE_JOINED, f"node(s) {names(grown)} joined",
+                       sorted(grown))
 
     def _settle_phase(self, record: JobRecord) -> None:
         job_id = record.job_id
@@ -514,11 +914,18 @@ class _Planner:
         current = self.changes[job_id].record if job_id in self.changes else record
         if len(kept) < spec.min_nodes:
             message = f"{len(kept)} of at least {spec.min_nodes} node(s) available"
+            reason = EventReason.BELOW_MIN_NODES
+            if job_id in self.preempted or any(
+                c.type == "Scheduled" and not c.status and c.reason == EventReason.PREEMPTED
+                for c in current.conditions
+            ):
+                reason = EventReason.PREEMPTED
+                message = f"preempted; {message}"
             if current.phase != JobPhase.PENDING:
-                self.set_phase(job_id, JobPhase.PENDING, EventReason.BELOW_MIN_NODES, message)
-            self._condition(job_id, "Scheduled", False, EventReason.BELOW_MIN_NODES, message)
-            self._condition(job_id, "Running", False, EventReason.BELOW_MIN_NODES, message)
-            self._condition(job_id, "Training", False, EventReason.BELOW_MIN_NODES, message)
+                self.set_phase(job_id, JobPhase.PENDING, reason, message)
+            self._condition(job_id, "Scheduled", False, reason, message)
+            self._condition(job_id, "Running", False, reason, message)
+            self._condition(job_id, "Training", False, reason, message)
             return
         nodes = names(kept)
         self._condition(job_id, "Scheduled", True, EventReason.SCHEDULED, f"on {nodes}")
@@ -573,17 +980,25 @@ class _Planner:
             )
 
 
-def plan(view: ClusterView, now: datetime) -> list[JobChange]:
+def plan(view: ClusterView, now: datetime, policy: Policy = Policy()) -> list[JobChange]:
     """Decide what to change so that assignments match the jobs and the live nodes.
 
     Args:
-        view: jobs, live nodes, drains, assignments and agent reports.
-        now: the time stamped on events and records.
+        view: jobs, live nodes, drains, assignments, agent reports and queues.
+        now: the time stamped on events and records (and the clock of reservations).
+        policy: the scheduler's tunables.
 
     Returns:
         One :class:`JobChange` per job that needs a write, highest priority first.
     """
-    return _Planner(view, now).run()
+    return decide(view, now, policy).changes
+
+
+def decide(view: ClusterView, now: datetime, policy: Policy = Policy()) -> Decision:
+    """:func:`plan`, with the reservations and reclaims it made on the way."""
+    planner = _Planner(view, now, policy)
+    changes = planner.run()
+    return Decision(changes, planner.reservations, planner.reclaims)
 
 
 def _clip(text: str) -> str:

@@ -63,6 +63,8 @@ class CoordinatorSettings(EtcdSettings):
     port: int = Field(default=8470, ge=0, le=65535)
     token: SecretStr | None = None
     token_file: Path | None = None
+    # Tokens scoped to queues, one `QUEUE[,QUEUE...] TOKEN` a line (service.queues_access).
+    queue_tokens_file: Path | None = None
     insecure_no_auth: bool = False
     workdir_root: Path = Field(default_factory=Path.cwd)
     checkpoint_root: Path = Field(default_factory=lambda: Path.cwd() / ".tidal" / "checkpoints")

@@ -29,6 +29,7 @@ from rendezvous.keys import Keys
 from rendezvous.records import Assignment, JobNodeStatus
 from rendezvous.registry import NodeInfo
 from service.models import JobEvent, JobRecord
+from service.queues import QueueSpec
 from service.scheduler import ClusterView
 
 log = logging.getLogger(__name__)
@@ -268,16 +269,16 @@ class JobStore:
     # the whole picture ---------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """Jobs, nodes, drains, assignments and statuses, read in one transaction.
+        """Jobs, nodes, drains, assignments, statuses and queues, read in one transaction.
 
-        One revision for all five, so the scheduler never sees an assignment
+        One revision for all six, so the scheduler never sees an assignment
         newer than the job record it belongs to.
         """
         k = self.keys
         prefixes = [k.jobs_prefix(), k.nodes_prefix(), k.drains_prefix(),
-                    k.assignments_prefix(), k.status_prefix()]
+                    k.assignments_prefix(), k.status_prefix(), k.queues_prefix()]
         result = self.client.txn([], [Get(p, prefix=True) for p in prefixes])
-        jobs_kv, nodes_kv, drains_kv, assign_kv, status_kv = result.gets
+        jobs_kv, nodes_kv, drains_kv, assign_kv, status_kv, queues_kv = result.gets
         jobs_by_key = self._cache.parse(jobs_kv, JobRecord)
         jobs = {r.job_id: r for r in jobs_by_key.values()}
         job_revisions = {
@@ -291,8 +292,10 @@ class JobStore:
             statuses.setdefault(st.job_id, {})[st.node_id] = st
         live_keys = {kv.key for group in result.gets for kv in group}
         self._cache.forget_except(live_keys)
+        queues = {q.name: q for q in self._cache.parse(queues_kv, QueueSpec).values()}
         view = ClusterView(
-            jobs=jobs, nodes=nodes, draining=drains, assignments=assignments, statuses=statuses
+            jobs=jobs, nodes=nodes, draining=drains, assignments=assignments, statuses=statuses,
+            queues=queues,
         )
         return Snapshot(result.revision, view, job_revisions, strays)
 

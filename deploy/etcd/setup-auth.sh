@@ -3,7 +3,7 @@
 #
 # Users and what their roles may do (P is the key root, /tidal by default):
 #
-#   tidal-coordinator  readwrite P/jobs/ P/assignments/ P/drains/ P/events/ P/election/
+#   tidal-coordinator  readwrite P/jobs/ P/assignments/ P/drains/ P/events/ P/election/ P/queues/
 #                      read      P/nodes/ P/status/
 #   tidal-agent        readwrite P/nodes/ P/status/ P/rdzv/
 #                      read      P/assignments/ P/jobs/
@@ -113,7 +113,7 @@ ensure_user root "$ETCD_ROOT_PASSWORD_FILE" ETCD_ROOT_PASSWORD_FILE
 ctl user grant-role root root >/dev/null
 
 ensure_role tidal-coordinator
-grant tidal-coordinator readwrite jobs assignments drains events election
+grant tidal-coordinator readwrite jobs assignments drains events election queues
 grant tidal-coordinator read nodes status
 ensure_user tidal-coordinator "$TIDAL_COORDINATOR_PASSWORD_FILE" TIDAL_COORDINATOR_PASSWORD_FILE
 ctl user grant-role tidal-coordinator tidal-coordinator >/dev/null

@@ -16,7 +16,8 @@ from datetime import datetime, timedelta, timezone
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
 from rendezvous.registry import NodeInfo
 from service.models import EventReason, JobEvent, JobPhase, JobRecord, JobSpec
-from service.scheduler import ClusterView, JobChange, plan
+from service.queues import QueueSpec
+from service.scheduler import ClusterView, Decision, JobChange, Policy, decide
 
 T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
 
@@ -39,11 +40,12 @@ def make_job(
     priority: int = 0,
     created: int = 0,
     selector: dict[str, str] | None = None,
+    queue: str = "default",
 ) -> JobRecord:
     """A job as ``POST /v1/jobs`` stores it; ``created`` is seconds after :data:`T0`."""
     spec = JobSpec(
         name=job_id, command=["python", "train.py"], min_nodes=min_nodes, max_nodes=max_nodes,
-        nproc_per_node=nproc, priority=priority, node_selector=selector or {},
+        nproc_per_node=nproc, priority=priority, node_selector=selector or {}, queue=queue,
     )
     # The API writes the "submitted" event as seq 0.
     return JobRecord(
@@ -87,15 +89,18 @@ class Sim:
     clock: datetime = T0 + timedelta(minutes=1)
     events: dict[str, list[JobEvent]] = field(default_factory=dict)
     history: list[list[JobChange]] = field(default_factory=list)
+    policy: Policy = field(default_factory=Policy)
+    last: Decision | None = None  # the last pass's decision (reservations, reclaims)
 
     # the coordinator -----------------------------------------------------------------
 
     def plan(self) -> list[JobChange]:
-        return plan(self.view, self.clock)
+        return decide(self.view, self.clock, self.policy).changes
 
     def step(self) -> list[JobChange]:
         """One reconcile pass: plan on the current view and write the plan."""
-        changes = self.plan()
+        self.last = decide(self.view, self.clock, self.policy)
+        changes = self.last.changes
         self.view = apply(self.view, changes)
         for change in changes:
             self.events.setdefault(change.job_id, []).extend(change.events)
@@ -140,6 +145,13 @@ class Sim:
         )
         record.next_event += 1
         self._put_job(record)
+
+    def set_queue(self, name: str, guaranteed: int = 0, *, limit: int | None = None,
+                  weight: float = 1.0) -> None:
+        """What ``POST`` or ``PATCH /v1/queues`` stores."""
+        queue = QueueSpec(name=name, guaranteed=guaranteed, limit=limit, weight=weight,
+                          created_at=T0)
+        self.view = replace(self.view, queues={**self.view.queues, name: queue})
 
     def _put_job(self, record: JobRecord) -> None:
         self.view = replace(self.view, jobs={**self.view.jobs, record.job_id: record})

@@ -71,6 +71,11 @@ def test_flags_override_the_file_and_merge_into_its_mappings() -> None:
     assert (spec.resize_policy.global_batch_size, spec.resize_policy.lr_rule) == (256, "linear")
 
 
+def test_a_job_file_names_its_queue() -> None:
+    assert job_fields("command: [x]\nqueue: team-a\n")["queue"] == "team-a"
+    assert job_fields("command: [x]\nqueue: team-a\n", {"queue": "b"})["queue"] == "b"
+
+
 def test_max_nodes_defaults_to_min_nodes_and_a_command_may_come_from_the_command_line() -> None:
     assert job_fields("min_nodes: 3\n", {"command": ["true"]})["max_nodes"] == 3
     assert "name" not in job_fields("command: [true]\n")  # the caller names it
@@ -78,7 +83,7 @@ def test_max_nodes_defaults_to_min_nodes_and_a_command_may_come_from_the_command
 
 @pytest.mark.parametrize(("text", "wanted"), [
     ("command: [x]\ngpus: 2\n", "job.yaml:2: unknown key 'gpus' (the key is gpus_per_node)"),
-    ("command: [x]\nqueue: big\n", "job.yaml:2: unknown key 'queue' (queues do not exist yet"),
+    ("command: [x]\nqueue: a/b\n", "job.yaml:2: queue: String should match pattern"),
     ("command: [x]\nlabels: {a: b}\n", "job.yaml:2: unknown key 'labels' (the key is node_"),
     ("command: [x]\n\nmax_node: 2\n", "job.yaml:3: unknown key 'max_node' (did you mean max_"),
     ("command: [x]\nresize_policy:\n  lr_rul: sqrt\n",
