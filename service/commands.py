@@ -230,7 +230,8 @@ def _status_text(view: JobView) -> str:
         ("phase", phase),
         ("command", shlex.join(spec.command)),
         ("nodes", f"{len(view.nodes)} of {_bounds(view)}, {spec.nproc_per_node} worker(s) "
-                  f"per node, world size {view.world_size}"),
+                  + (f"and {spec.gpus_per_node} GPU(s) " if spec.gpus_per_node else "")
+                  + f"per node, world size {view.world_size}"),
         ("restarts", f"{restarts}, budget {spec.max_restarts}"),
         ("step", step),
         ("priority", spec.priority),
@@ -252,9 +253,11 @@ def _status_text(view: JobView) -> str:
               for cond in view.conditions]
     lines = labelled(pairs)
     if view.nodes:
+        gpus = any(n.devices for n in view.nodes)  # the GPUs column only for GPU jobs
         lines += ["", table(
-            ["NODE", "STATE", "RANKS", "STEP", "RESTARTS"],
-            [[n.node_id, n.state, ",".join(map(str, n.ranks)) or None, n.last_step,
+            ["NODE", "STATE", "RANKS", *(["GPUS"] if gpus else []), "STEP", "RESTARTS"],
+            [[n.node_id, n.state, ",".join(map(str, n.ranks)) or None,
+              *([",".join(map(str, n.devices)) or None] if gpus else []), n.last_step,
               n.restart_count] for n in view.nodes],
             shrink=["RANKS"],
         )]
@@ -439,7 +442,9 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--max-nodes", type=click.IntRange(1), default=None,
               help="Most nodes the job grows to (default: --min-nodes).")
 @click.option("--nproc-per-node", type=click.IntRange(1), default=None,
-              help="Worker processes per node (default 1).")
+              help="Worker processes per node (default: --gpus-per-node, else 1).")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=None,
+              help="GPUs each node gives the job; its workers see only those (default 0).")
 @click.option("--workdir", help="Working directory, relative to the coordinator's "
               "--workdir-root.")
 @click.option("--checkpoint-dir", help="Checkpoint directory, relative to the "
@@ -471,7 +476,7 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
 @_target_options
 def submit_command(
     job_file: str | None, name: str | None, min_nodes: int | None, max_nodes: int | None,
-    nproc_per_node: int | None,
+    nproc_per_node: int | None, gpus_per_node: int | None,
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
     labels: tuple[str, ...], max_restarts: int | None, priority: int | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
@@ -498,7 +503,8 @@ def submit_command(
     """
     flags: dict[str, Any] = {
         "name": name, "command": list(command) or None, "min_nodes": min_nodes,
-        "max_nodes": max_nodes, "nproc_per_node": nproc_per_node, "working_dir": workdir,
+        "max_nodes": max_nodes, "nproc_per_node": nproc_per_node,
+        "gpus_per_node": gpus_per_node, "working_dir": workdir,
         "checkpoint_dir": checkpoint_dir, "max_restarts": max_restarts, "priority": priority,
         "grace_period_s": grace_period_s,
         "env": _pairs(env, option="--env", from_env=True) if env else None,
@@ -651,13 +657,25 @@ def nodes_command(
 
 
 def _nodes_table(nodes: Sequence[NodeView]) -> str:
-    return table(
+    text = table(
         ["NODE", "STATE", "SLOTS", "GPUS", "ADDRESS", "LABELS", "JOBS"],
-        [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", n.gpus, n.address,
+        [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", _gpus_cell(n), n.address,
           ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or None,
           ",".join(n.jobs) or None] for n in nodes],
         shrink=["JOBS", "LABELS", "ADDRESS"],
     )
+    failed = [f"{n.node_id}: GPU {g.index}{' ' + g.uuid if g.uuid else ''} is out of service: "
+              f"{g.fault or 'failed'}" for n in nodes for g in n.gpu_devices if not g.healthy]
+    return "\n".join([text, *failed])
+
+
+def _gpus_cell(node: NodeView) -> str | int:
+    """GPUs asked for / healthy, and how many failed: "2/3 (1 failed)"."""
+    if not node.gpu_devices:
+        return node.gpus
+    healthy = sum(1 for g in node.gpu_devices if g.healthy)
+    failed = len(node.gpu_devices) - healthy
+    return f"{node.gpus_used}/{healthy}" + (f" ({failed} failed)" if failed else "")
 
 
 # changing jobs and nodes ---------------------------------------------------------------
