@@ -5,7 +5,8 @@ coordinator and real agents.
   the jobs, and a job submitted meanwhile appears;
 * a job's page: a resize by the API shows up as the new world size, an event
   with its recovery's duration, and a change in the chart; its logs stream;
-  the Grafana link names the job; the nodes page lists the nodes and their jobs;
+  the Grafana link names the job; a failed job's page shows its error; the
+  nodes page lists the nodes and their jobs;
 * never in the page, at any point: the token, or a value of a job's environment.
 
 ``TIDAL_UI_SCREENSHOTS=DIR`` saves the jobs table and the job page as
@@ -302,6 +303,16 @@ def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
              and shown(driver, "#nodes tr[data-node='b']"), timeout=10, what="both nodes")
     holders = [n for n in ("a", "b") if job_id in text_of(driver, f"#nodes tr[data-node='{n}']")]
     assert len(holders) == 1
+    assert_nothing_secret(driver)
+
+    # A job that fails: its page says why.
+    failing = api.post("/v1/jobs", json=job_spec(
+        "fails", command=[sys.executable, "-c", "import sys; sys.exit(3)"], max_restarts=0,
+    )).json()["job_id"]
+    driver.get(f"{coordinator.url}/ui/#/jobs/{failing}")
+    wait_for(lambda: "exit code 3" in text_of(driver, "#job-error"), timeout=60,
+             what="the failed job's error on its page")
+    assert summary(driver)["Phase"] == "FAILED"
     assert_nothing_secret(driver)
     assert_no_script_errors(driver)
     api.post(f"/v1/jobs/{job_id}/cancel")

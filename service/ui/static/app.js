@@ -265,8 +265,11 @@
     stepSamples.set(view.job_id, samples.filter((s) => now - s[0] <= THROUGHPUT_WINDOW_MS));
   }
 
+  // What the workers report (samples/s), else the step rate this page saw.
   function throughput(view) {
-    if (typeof view.throughput === "number") return view.throughput.toFixed(2) + " steps/s";
+    if (typeof view.samples_per_second === "number" && !TERMINAL.has(view.phase)) {
+      return view.samples_per_second.toFixed(1) + " samples/s";
+    }
     const samples = stepSamples.get(view.job_id) || [];
     if (samples.length < 2) return "—";
     const [t0, s0] = samples[0];
@@ -474,9 +477,13 @@
       ["Phase", view.phase + (view.cancel_requested && !TERMINAL.has(view.phase) ? " (cancelling)" : "")],
       ["Queue", queueOf(view)],
       ["World size", view.world_size + " (" + bounds + ")"],
-      ["Step", dash(view.last_step)],
+      ["Step", dash(view.last_step) +
+        (typeof view.total_steps === "number" ? " of " + view.total_steps : "")],
       ["Throughput", throughput(view)],
-      ["Last checkpoint", dash(view.last_checkpoint_step)],
+      ["Loss", typeof view.loss === "number" ? view.loss.toPrecision(4) : "—"],
+      ["Last checkpoint", view.last_checkpoint_step === null || view.last_checkpoint_step === undefined
+        ? "—" : "step " + view.last_checkpoint_step +
+          (view.last_checkpoint_at ? " (" + ageOf(view.last_checkpoint_at, now) + " ago)" : "")],
       ["Restarts", view.restart_count + " of at most " + spec.max_restarts +
         (Object.keys(view.restarts).length
           ? " (" + Object.entries(view.restarts).map(([k, v]) => k + " " + v).join(", ") + ")" : "")],
@@ -586,6 +593,7 @@
   function appendLogLines(box, lines) {
     const follow = box.scrollTop + box.clientHeight >= box.scrollHeight - 8;
     for (const line of lines) {
+      if (line === "") continue; // a keep-alive while following; output lines have a prefix
       box.appendChild(el("div", {class: line.startsWith("[tidal] ") ? "log-line tidal" : "log-line"},
                          line));
     }
