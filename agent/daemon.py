@@ -60,6 +60,7 @@ from agent.gpu_metrics import GpuCollector
 from agent.gpu_node import NodeGpus, NoDevicesError
 from agent.jobpaths import JobSetupError, check_job_paths
 from agent.logcap import open_private_log
+from agent.logserve import LogServer, new_token
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
 from agent.settings import AgentSettings
 from agent.spec import (
@@ -86,6 +87,7 @@ from rendezvous.records import (
     utcnow,
 )
 from rendezvous.registry import (
+    LogEndpoint,
     NodeAlreadyRegisteredError,
     NodeInfo,
     NodeRegistration,
@@ -165,6 +167,8 @@ class Agent:
         self._warm_due = 0.0  # monotonic time from which a warm runner may start
         self._warm_retry_s = WARM_RETRY_S
         self._warm_started = 0
+        self._logs: LogServer | None = None
+        self._log_endpoint: LogEndpoint | None = None
         self.gpus = NodeGpus(settings)
         self._registration: NodeRegistration | None = None
         # job -> (generation, why): runners killed because a GPU they held failed
@@ -191,6 +195,26 @@ class Agent:
         self.metrics_port = int(server.server_port)
         log.info("metrics on :%d/metrics", self.metrics_port)
 
+    def _serve_logs(self) -> None:
+        """Serve the jobs' logs to the coordinator (agent.logserve), with a new token."""
+        s = self.settings
+        token = new_token()
+        self._logs = LogServer(run_dir=s.run_dir, token=token, active=self._job_active,
+                               host=s.metrics_host, port=s.logs_port).start()
+        host = f"[{s.address}]" if ":" in s.address else s.address
+        self._log_endpoint = LogEndpoint(url=f"http://{host}:{self._logs.port}", token=token)
+        log.info("job logs on :%d", self._logs.port)
+
+    def _job_active(self, job_id: str) -> bool:
+        """Whether ``job_id`` may still write output here: a runner, one to settle, or
+        its assignment (read from the log server's threads)."""
+        if job_id in self.state.runners or job_id in self.state.exited:
+            return True
+        watcher, client = self._watcher, self._client
+        if watcher is None or client is None:
+            return False
+        return client.keys.assignment(self.settings.node_id, job_id) in watcher.snapshot()
+
     def stop(self) -> None:
         """Ask :meth:`run` to stop the runners gracefully and return."""
         self._stop.set()
@@ -212,6 +236,7 @@ class Agent:
             self.gpus.stop()
             raise
         try:
+            self._serve_logs()
             registration = self._registration = self._register(client)
             self.gpus.confirm()
             self._serve_metrics(client)
@@ -239,6 +264,8 @@ class Agent:
             self.gpus.stop()
             if self._watcher is not None:
                 self._watcher.stop()
+            if self._logs is not None:
+                self._logs.close()
             if registration is not None:
                 registration.deregister()
             client.close()
@@ -268,6 +295,7 @@ class Agent:
             address=s.address,
             labels=s.labels,
             **self.gpus.record_fields(),
+            logs=self._log_endpoint,
         )
 
     # GPUs ------------------------------------------------------------------------

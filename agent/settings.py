@@ -49,6 +49,9 @@ class AgentSettings(EtcdSettings):
     # All interfaces by default, for a Prometheus on another machine; `tidal up`
     # passes 127.0.0.1 (its Prometheus, if any, runs on this machine).
     metrics_host: str = Field(default="0.0.0.0", min_length=1, max_length=253)
+    # The jobs' logs are served to the coordinator on this port (0: any free one),
+    # on metrics_host, behind a token in the node's record (agent.logserve).
+    logs_port: int = Field(default=0, ge=0, le=65535)
     stop_grace_s: float = Field(default=30.0, gt=0, le=3600)
     log_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1024)
     # Keep a runner (and its zygote) started ahead of the next job; see agent.daemon.

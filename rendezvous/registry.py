@@ -66,6 +66,17 @@ class NodeAlreadyRegisteredError(EtcdError):
     """Another live process holds the node id this process tried to register."""
 
 
+class LogEndpoint(BaseModel):
+    """Where the coordinator reads a node's job logs (agent.logserve) and the
+    bearer token that route wants. The token is made at random by the agent
+    and is read only by etcd's clients; it never appears in the API."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = Field(pattern=r"^http://[A-Za-z0-9.:_\[\]-]{1,253}:[0-9]{1,5}$")
+    token: str = Field(min_length=16, max_length=256, repr=False)
+
+
 class NodeInfo(BaseModel):
     """What the registry records about a live node (JSON in etcd, never pickle).
 
@@ -82,6 +93,7 @@ class NodeInfo(BaseModel):
         labels: free-form ``key -> value`` tags for scheduling (bounded).
         started_at: when the agent started (UTC).
         version: the tidal version the agent runs.
+        logs: where its agent serves the jobs' logs, if it does.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -95,6 +107,7 @@ class NodeInfo(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     version: str = Field(default_factory=_tidal_version, max_length=64)
+    logs: LogEndpoint | None = None
 
     @field_validator("node_id")
     @classmethod
