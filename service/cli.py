@@ -175,10 +175,10 @@ def rdzv_clean(
 @click.option("--metrics-host",
               help="Address /metrics listens on (default 0.0.0.0: every interface, so that "
               "a Prometheus elsewhere can scrape it; `tidal up` uses 127.0.0.1).")
-@click.option("--warm-runner/--no-warm-runner", default=None,
 @click.option("--logs-port", type=int,
               help="Serve the jobs' logs to the coordinator on this port, on --metrics-host, "
               "behind a token in the node's record (default 0: any free port).")
+@click.option("--warm-runner/--no-warm-runner", default=None,
               help="Keep a runner with torch imported ready for the next job (default: on; "
               "costs about 0.5 GB of memory while idle).")
 @click.option("--worker-user",
