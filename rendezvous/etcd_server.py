@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from rendezvous.child import Child, read_tail
 from rendezvous.errors import EtcdBinaryNotFoundError, EtcdError
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class EtcdServer:
         self.quota_backend_bytes = quota_backend_bytes
         self.extra_args = list(extra_args or [])
         self.start_timeout_s = start_timeout_s
-        self.process: subprocess.Popen[bytes] | None = None
+        self._child: Child | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
 
     @property
@@ -187,8 +188,8 @@ class EtcdServer:
             EtcdError: etcd exited, or did not answer within ``start_timeout_s``
                 (the message carries the tail of its log).
         """
-        if self.process is not None and self.process.poll() is None:
-            raise EtcdError(f"etcd is already running (pid {self.process.pid})")
+        if self.running():
+            raise EtcdError(f"etcd is already running (pid {self.pid})")
         fixed = self.client_port is not None
         attempts = 1 if fixed else 5
         for attempt in range(attempts):
@@ -208,35 +209,28 @@ class EtcdServer:
                 )
                 return self
             except _PortInUse:
-                self._reap()
+                self.kill()
                 if attempt == attempts - 1:
                     raise EtcdError(f"etcd could not bind a port after {attempts} tries") from None
         return self  # unreachable; mypy
 
     def _spawn_and_wait(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(
-                self._command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group, stopped as a whole
-            )
+        child = self._child = Child.spawn("etcd", self._command(), self.log_path)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if child.poll() is not None:
                 tail = self.log_tail()
                 if "address already in use" in tail:
                     raise _PortInUse
                 raise EtcdError(
-                    f"etcd exited with code {self.process.returncode} while starting; "
+                    f"etcd exited with code {child.returncode} while starting; "
                     f"log tail:\n{tail}"
                 )
             if self._answers():
                 return
             time.sleep(0.05)
-        self._reap()
+        child.kill()
         raise EtcdError(
             f"etcd did not answer at {self.endpoint} within {self.start_timeout_s:g} s; "
             f"log tail:\n{self.log_tail()}"
@@ -255,46 +249,33 @@ class EtcdServer:
             return False
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_tail(self.log_path, lines) or "(no log)"
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The etcd process of the last start, if any."""
+        return self._child.process if self._child else None
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process else None
+        return self._child.pid if self._child else None
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self._child is not None and self._child.running()
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
-
-    def _reap(self, timeout_s: float = 10.0) -> None:
-        if self.process is None:
-            return
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
-            self.process.wait(timeout=timeout_s)
+        if self._child is not None:
+            self._child.signal(sig)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL it if it lingers."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
-        self._reap(timeout_s)
-        self._signal_group(signal.SIGKILL)  # anything left in the group
+        if self._child is not None:
+            self._child.stop(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL the process group at once (a crash, for fault tests)."""
-        self._signal_group(signal.SIGKILL)
-        self._reap()
+        if self._child is not None:
+            self._child.kill()
 
     def pause(self) -> None:
         """SIGSTOP etcd (it stops answering but keeps its sockets)."""

@@ -22,8 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from rendezvous.child import Child
 from rendezvous.etcd_server import free_port
 
 log = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class LocalPrometheus:
         self.rules = list(rules) if rules is not None else [p for p in [RULES_FILE] if p.exists()]
         self.config_path = directory / "prometheus.yml"
         self.targets_path = directory / "agents.json"
-        self.process: subprocess.Popen[bytes] | None = None
+        self._child: Child | None = None
         self.url: str | None = None
         self._agents: set[str] = set()
 
@@ -187,55 +186,35 @@ class LocalPrometheus:
             "--storage.tsdb.retention.time=7d",
             "--web.enable-lifecycle",
         ]
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        child = self._child = Child.spawn("prometheus", argv, self.log_path)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
-            code = self.process.poll()
+            code = child.poll()
             if code is not None:
-                self.process = None
+                self._child = None
                 raise PrometheusError(
                     f"prometheus exited with code {code} while starting on port {port}:\n"
-                    f"{self._log_since(offset)}"
+                    f"{child.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    log.info("prometheus at %s (pid %d)", url, self.process.pid)
+                    log.info("prometheus at %s (pid %d)", url, child.pid)
                     return url
             if time.monotonic() > deadline:
-                tail = self._log_since(offset)
+                tail = child.log_tail()
                 self.stop()
                 raise PrometheusError(
                     f"prometheus was not ready within {self.ready_timeout_s:g} s:\n{tail}"
                 )
             time.sleep(0.2)
 
-    def _log_since(self, offset: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-20:])
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM its process group, SIGKILL after ``timeout_s``; idempotent."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("prometheus (pid %d) did not stop in time; killing it", process.pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(timeout_s)
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child else None

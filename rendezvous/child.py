@@ -1,0 +1,127 @@
+"""One way to run a child process that must be stopped as a whole: etcd, Prometheus, `tidal up`'s.
+
+A :class:`Child` runs in its own process group (``start_new_session``), so a
+signal reaches everything it started; its output is appended to a log file,
+and :meth:`Child.log_tail` reads what it wrote since it was started, for error
+messages. :meth:`Child.stop` is SIGTERM to the group, a wait, then SIGKILL to
+whatever is left of the group, and the child is reaped: no zombie and no
+orphan once it returns. It lives in :mod:`rendezvous`, the lowest package,
+so that :mod:`rendezvous.etcd_server` and the service's supervisors
+(:mod:`service.prometheus`, :mod:`service.up`) share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: How long :meth:`Child.stop` waits for the reaping after the group's SIGKILL.
+REAP_TIMEOUT_S = 10.0
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group ``pid`` leads; a group already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def read_tail(path: Path, lines: int = 20, *, offset: int = 0) -> str:
+    """The last ``lines`` lines of ``path`` from byte ``offset`` on ("" if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Child:
+    """A process in its own group, its stdout and stderr appended to ``log_path``."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log_path: Path,
+                 log_offset: int) -> None:
+        self.name = name
+        self.process = process
+        self.log_path = log_path
+        self.log_offset = log_offset  # where this run's output starts in the log
+
+    @classmethod
+    def spawn(
+        cls,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> Child:
+        """Start ``argv`` (a list: never a shell) in a new process group."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else dict(env),
+                cwd=cwd,
+                start_new_session=True,  # its own process group, stopped as a whole
+            )
+        return cls(name, process, log_path, offset)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the child's whole process group."""
+        signal_group(self.process.pid, sig)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines this run of the child wrote to its log."""
+        return read_tail(self.log_path, lines, offset=self.log_offset)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Its exit status once it exits within ``timeout_s``, else None."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the group, wait up to ``timeout_s``, SIGKILL what is left, reap.
+
+        Idempotent. Returns the child's exit status (None only if it could
+        not be reaped even after SIGKILL).
+        """
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            if self.wait(timeout_s) is None:
+                log.warning("%s (pid %d) did not stop within %g s; killing it",
+                            self.name, self.pid, timeout_s)
+        self.signal(signal.SIGKILL)  # anything left in the group
+        return self.wait(REAP_TIMEOUT_S)
+
+    def kill(self) -> int | None:
+        """SIGKILL the group at once (a crash, for fault tests) and reap the child."""
+        self.signal(signal.SIGKILL)
+        return self.wait(REAP_TIMEOUT_S)
