@@ -83,3 +83,9 @@ def test_the_width_is_columns_else_the_terminal_else_none(monkeypatch: pytest.Mo
     assert terminal_width(io.StringIO()) is None  # a pipe or a file is never cut
     monkeypatch.delenv("COLUMNS")
     assert terminal_width(io.StringIO()) is None
+
+
+def test_every_job_and_node_command_that_prints_data_takes_json() -> None:
+    from service.commands import COMMANDS
+
+    assert [c.name for c in COMMANDS if not any(p.name == "as_json" for p in c.params)] == []
