@@ -34,6 +34,7 @@ from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.settings import settings_error_message
 from service.commands import register as register_job_commands
+from service.queues_cli import register as register_queue_commands
 from service.ready import ReadyFile, write_ready
 from service.settings import SettingsError, build_settings
 from service.up_cli import up_command
@@ -286,6 +287,7 @@ def coordinator_command(ready_file: Path | None, **flags: object) -> None:
 
 cli.add_command(up_command)
 register_job_commands(cli)
+register_queue_commands(cli)
 
 
 def main() -> None:

@@ -457,6 +457,7 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--max-restarts", type=click.IntRange(0), default=None,
               help="Worker failures the job survives (default 3).")
 @click.option("--priority", type=int, default=None, help="Higher is scheduled first (default 0).")
+@click.option("--queue", default=None, help="The queue the job runs in (default: default).")
 @click.option("--grace-period", "grace_period_s", type=click.FloatRange(min=0, min_open=True),
               default=None, help="Seconds between SIGTERM and SIGKILL when workers stop "
               "(default 30).")
@@ -478,7 +479,7 @@ def submit_command(
     job_file: str | None, name: str | None, min_nodes: int | None, max_nodes: int | None,
     nproc_per_node: int | None, gpus_per_node: int | None,
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
-    labels: tuple[str, ...], max_restarts: int | None, priority: int | None,
+    labels: tuple[str, ...], max_restarts: int | None, priority: int | None, queue: str | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
     no_wait: bool, timeout_s: float | None, command: tuple[str, ...], as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
@@ -506,6 +507,7 @@ def submit_command(
         "max_nodes": max_nodes, "nproc_per_node": nproc_per_node,
         "gpus_per_node": gpus_per_node, "working_dir": workdir,
         "checkpoint_dir": checkpoint_dir, "max_restarts": max_restarts, "priority": priority,
+        "queue": queue,
         "grace_period_s": grace_period_s,
         "env": _pairs(env, option="--env", from_env=True) if env else None,
         "node_selector": _pairs(labels, option="--label") if labels else None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -182,13 +182,13 @@ def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: Non
         on_change()
         return changed(name)
 
-    @router.delete("/v1/queues/{name}", status_code=204)
-    def delete_queue(name: QueueNameParam, request: Request) -> Response:
-        """Delete a queue that no unfinished job uses (admin token)."""
+    @router.delete("/v1/queues/{name}")
+    def delete_queue(name: QueueNameParam, request: Request) -> QueueView:
+        """Delete a queue that no unfinished job uses (admin token); answers what it was."""
         require_admin(request, "delete queues")
         if name == DEFAULT_QUEUE:
             raise ConflictError("the default queue cannot be deleted")
-        _, revision = queues.get(name)
+        spec, revision = queues.get(name)
         users = sorted(
             r.job_id for r in store.list_jobs()
             if r.spec.queue == name and not r.phase.is_terminal()
@@ -199,6 +199,6 @@ def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: Non
         if not queues.delete(name, revision):
             raise ConflictError(f"queue {name} changed meanwhile; try again")
         on_change()
-        return Response(status_code=204)
+        return queue_view(spec, None)
 
     return router
