@@ -19,6 +19,13 @@ Run it with torchrun alone, or under tidal::
 
     torchrun --standalone --nproc-per-node=2 examples/charlm.py --checkpoint-dir /tmp/charlm
 
+On a GPU machine, the ~200M-parameter model (bf16 autocast, DDP over NCCL, one
+worker per GPU; a worker that is stopped while a peer is dead aborts NCCL
+instead of waiting for its timeout, see checkpoints/nccl.py)::
+
+    tidal submit --gpus-per-node 1 --checkpoint-dir charlm -- \
+        python examples/charlm.py --size 200m --total-steps 500
+
 A tiny configuration that runs a few steps on CPU in seconds::
 
     torchrun --standalone --nproc-per-node=2 examples/charlm.py --checkpoint-dir /tmp/c \
@@ -48,10 +55,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import checkpoints as ck
+from checkpoints import nccl
 
 log = logging.getLogger("examples.charlm")
 
 VOCAB = 256
+#: Model sizes for --size: 12 d_model^2 + 13 d_model parameters per layer, plus the
+#: embeddings and the head. "200m" is the GPU example: 203M parameters, whose
+#: model + AdamW state is 2.4 GB in float32 (bf16 autocast computes in bf16).
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 256},
+    "200m": {"block_size": 512, "n_layer": 16, "n_head": 16, "d_model": 1024},
+}
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -71,10 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sequences per step over all ranks (default: $TIDAL_GLOBAL_BATCH_SIZE or 64)",
     )
     parser.add_argument("--max-local-batch", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="small",
+        help="a model size: small (3.3M parameters) or 200m (203M, for a GPU: bf16 "
+        "autocast, DDP over NCCL); --block-size, --n-layer, --n-head, --d-model override it",
+    )
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--n-layer", type=int, default=None)
+    parser.add_argument("--n-head", type=int, default=None)
+    parser.add_argument("--d-model", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--corpus-bytes", type=int, default=8_000_000)
@@ -86,7 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-bytes", type=int, default=0, help="generate this much at the end")
     parser.add_argument("--log-every", type=int, default=10, help="log (and sync) every N steps")
     parser.add_argument("--record", type=Path, default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, value in SIZES[args.size].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -176,6 +200,8 @@ def setup_distributed(device_choice: str) -> tuple[int, int, torch.device]:
         return 0, 1, device
     backend = "nccl" if use_cuda else "gloo"
     device_id = device if use_cuda else None
+    if use_cuda:
+        nccl.prepare_environment()  # a failed collective raises instead of hanging
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -308,6 +334,9 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int, device: torch
         every_steps=args.every_steps,
     )
     resume = ckpt.restore()
+    # A peer that dies mid-collective would hold NCCL for the group's timeout:
+    # abort it shortly after the runner's SIGTERM instead (checkpoints.nccl).
+    watcher = nccl.abort_on_stop() if device.type == "cuda" and world_size > 1 else None
     log.info(
         "start at step %d (fresh=%s, saved at world size %s), world_size %d, device %s, "
         "bf16 %s, %d parameters, %d samples of %d bytes",
@@ -352,6 +381,8 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int, device: torch
         ckpt.maybe_save(step, loss=loss, samples=args.global_batch_size)
     if step > resume.step:
         ckpt.save(step)
+    if watcher is not None:
+        watcher.close()
     ckpt.close()
     log.info("done at step %d", step)
     if rank == 0 and args.sample_bytes > 0:
