@@ -91,6 +91,7 @@ class ProgressSummary:
     last_save_seconds: float | None = None
     last_stall_seconds: float | None = None
     save_failing: bool = False
+    total_steps: int | None = None
 
 
 def _number(value: Any) -> float | None:
@@ -244,6 +245,8 @@ def summarize_progress(reports: Iterable[Mapping[str, Any]]) -> ProgressSummary:
         last_save_seconds=_number(latest.get("last_save_seconds")) if latest else None,
         last_stall_seconds=_number(latest.get("last_stall_seconds")) if latest else None,
         save_failing=any(bool(r.get("last_save_error")) for r in current),
+        total_steps=max((t for r in current if (t := _integer(r.get("total_steps"))) is not None
+                         and t >= 0), default=None),
     )
 
 
@@ -586,7 +589,11 @@ class StatusReporter:
                 summary = summarize_progress(reports)
                 self._finish_recovery(reports)
                 progress = {"last_step": summary.step,
-                            "last_checkpoint_step": summary.last_checkpoint_step}
+                            "last_checkpoint_step": summary.last_checkpoint_step,
+                            "samples_per_second": summary.samples_per_second,
+                            "loss": summary.loss,
+                            "last_checkpoint_time": summary.last_checkpoint_time,
+                            "total_steps": summary.total_steps}
                 with self._lock:
                     changed = {k: v for k, v in progress.items() if v is not None}
                     self._status = self._status.model_copy(update=changed)

@@ -62,6 +62,7 @@ PROGRESS_FIELDS = (
     "last_stall_seconds",
     "last_save_error",
     "stop_requested",
+    "total_steps",
 )
 
 
@@ -76,6 +77,12 @@ class ProgressReporter(abc.ABC):
     @abc.abstractmethod
     def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
         """Note that ``step`` steps are complete, with this step's loss and sample count."""
+
+    def set_total_steps(self, total: int | None) -> None:
+        """The step training ends at, when known (an estimate of the time left uses it).
+
+        Not abstract: a reporter without it reports no total."""
+        return None  # optional for reporters, so not abstract
 
     @abc.abstractmethod
     def checkpoint_saved(
@@ -160,6 +167,7 @@ class FileProgressReporter(ProgressReporter):
         self._checkpoint: dict[str, Any] = {}
         self._error: str | None = None
         self._stop = False
+        self._total_steps: int | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -177,6 +185,10 @@ class FileProgressReporter(ProgressReporter):
         now = time.monotonic()
         if now - self._last_write >= self._interval:
             self._write(now)
+
+    def set_total_steps(self, total: int | None) -> None:
+        """Remember the total (written with the next report)."""
+        self._total_steps = total if total is None or total >= 0 else None
 
     def checkpoint_saved(
         self, *, step: int, wall_time: float, save_seconds: float, stall_seconds: float
@@ -222,6 +234,7 @@ class FileProgressReporter(ProgressReporter):
             last_stall_seconds=None,
             last_save_error=self._error,
             stop_requested=self._stop,
+            total_steps=self._total_steps,
         )
         body.update(self._checkpoint)
         return body

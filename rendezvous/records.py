@@ -169,6 +169,13 @@ class JobNodeStatus(BaseModel):
     remaining_restarts: int = 0
     last_step: int | None = None
     last_checkpoint_step: int | None = None
+    # What the workers last reported (agent.status.ProgressSummary), for people following
+    # the job: the global samples/s as one rank measures it, the mean loss of this node's
+    # ranks, when the newest checkpoint was written (Unix time) and the total steps.
+    samples_per_second: float | None = None
+    loss: float | None = None
+    last_checkpoint_time: float | None = None
+    total_steps: int | None = Field(default=None, ge=0)
     # Seconds from the last failure or membership change this node noticed to
     # the first step of the workers it then started (agent.status).
     last_recovery_seconds: float | None = Field(default=None, ge=0)

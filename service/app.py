@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,6 +38,7 @@ from rendezvous.election import Election
 from rendezvous.errors import EtcdError, EtcdNoSpaceError
 from rendezvous.keys import InvalidIdentifierError
 from rendezvous.records import JobNodeState, JobNodeStatus
+from service.logs import logs_router
 from service.metrics import CoordinatorMetrics
 from service.models import (
     ErrorBody,
@@ -214,6 +216,26 @@ def confine(root: Path, relative: str | None, *, field: str) -> str | None:
     return str(target)
 
 
+def progress_fields(current: dict[str, JobNodeStatus], statuses: dict[str, JobNodeStatus]
+                    ) -> dict[str, Any]:
+    """JobView's progress from the nodes' reports: the largest rate (each is the job's
+    global rate as one rank measures it), the mean loss and the total over the nodes
+    in force, the newest checkpoint's time over every node."""
+    now = list(current.values())
+    rates = [st.samples_per_second for st in now if st.samples_per_second is not None]
+    losses = [st.loss for st in now if st.loss is not None]
+    totals = [st.total_steps for st in now if st.total_steps is not None]
+    saved = [st.last_checkpoint_time for st in statuses.values()
+             if st.last_checkpoint_time is not None]
+    return {
+        "samples_per_second": max(rates, default=None),
+        "loss": sum(losses) / len(losses) if losses else None,
+        "total_steps": max(totals, default=None),
+        "last_checkpoint_at": (datetime.fromtimestamp(max(saved), timezone.utc)
+                               if saved else None),
+    }
+
+
 def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     """A job as the API shows it: the record joined with its nodes' reports."""
     current = statuses_in_force(record.nodes, statuses)  # record.nodes mirrors assignments
@@ -249,6 +271,7 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
         restart_count=sum(restarts.values()),
         last_step=max(steps, default=None),
         last_checkpoint_step=max(ckpts, default=None),
+        **progress_fields(current, statuses),
         exit_reason=record.exit_reason,
         error=record.error,
         created_at=record.created_at,
@@ -544,6 +567,8 @@ def create_app(
         return one_node(node_id)
 
     app.include_router(ui_router(auth=Auth, grafana_url=grafana_url))  # the web page, /ui/
+
+    app.include_router(logs_router(store=store, auth=Auth))  # a job's logs, from its agents
 
     app.include_router(queue_router(store=store, on_change=on_change), dependencies=[Auth])
 

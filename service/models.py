@@ -483,6 +483,12 @@ class JobView(BaseModel):
     restart_count: int
     last_step: int | None
     last_checkpoint_step: int | None
+    # What the workers last reported (absent until they do): the job's samples per
+    # second, its mean loss, when its newest checkpoint was written, the step it ends at.
+    samples_per_second: float | None = None
+    loss: float | None = None
+    last_checkpoint_at: datetime | None = None
+    total_steps: int | None = None
     exit_reason: ExitReason | None
     error: WorkerError | None
     created_at: datetime
