@@ -49,6 +49,7 @@ from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
 from agent.status import RUNNER_METRICS_FILE, StatusReporter
 from agent.zygote import ZygoteProcess
+from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
 from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError, Fence
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
@@ -64,6 +65,13 @@ log = logging.getLogger("tidal.runner")
 # Workers of a group that failed or lost a peer are blocked in a collective
 # that will not complete; SIGTERM cannot save anything there.
 FAILED_STOP_TIMEOUT_S = 2.0
+# Before that, workers on the checkpoints library save the last completed
+# step (checkpoints.jit): each is waited for while its report shows progress.
+# An armed worker has JIT_ACK_S after the notice to start saving (a watcher
+# thread polls every 50 ms); a save that shows no progress for JIT_STALL_S is
+# given up on; the whole wait never exceeds the job's grace period.
+JIT_ACK_S = 0.5
+JIT_STALL_S = 2.0
 # How long a new runner waits for its zygote (agent.zygote) before joining.
 ZYGOTE_READY_TIMEOUT_S = 60.0
 
@@ -145,9 +153,14 @@ class TidalElasticAgent(LocalElasticAgent):
         spec: WorkerSpec,
         *,
         reporter: StatusReporter,
+        progress_dir: Path | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
+        # Where the workers' progress and just-in-time save reports are.
+        self._progress_dir = progress_dir
+        if progress_dir is not None:
+            clear_reports(progress_dir)
         if not isinstance(spec.rdzv_handler, AssignedRendezvousHandler):
             raise TypeError("TidalElasticAgent needs an AssignedRendezvousHandler")
         self._handler: AssignedRendezvousHandler = spec.rdzv_handler
@@ -166,7 +179,50 @@ class TidalElasticAgent(LocalElasticAgent):
         self._stop_timeout_s = self._grace_s
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
+        broken = self._stop_timeout_s <= FAILED_STOP_TIMEOUT_S
+        if broken and self._progress_dir is not None and self._await_jit_saves():
+            # Every worker that could save has saved: nothing is left to lose.
+            self._shutdown(death_sig=signal.SIGKILL, timeout=1)
+        else:
+            self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
+        if self._progress_dir is not None:
+            clear_reports(self._progress_dir)
+
+    def _await_jit_saves(self) -> bool:
+        """Tell the workers a peer is gone; wait for their just-in-time saves (bounded).
+
+        Returns whether every worker that reported is done with its save (or
+        exited) and at least one saved: the group may then be killed at once.
+        """
+        assert self._progress_dir is not None
+        reports = read_reports(self._progress_dir)
+        if not reports:
+            return False  # no worker uses the checkpoints library's just-in-time save
+        noticed = time.monotonic()
+        write_notice(self._progress_dir, "a peer is gone")
+        seen: dict[int, tuple[str, int]] = {}
+        progress_at: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            reports = read_reports(self._progress_dir)
+            for rank, report in reports.items():
+                if seen.get(rank) != (report.state, report.bytes):
+                    seen[rank] = (report.state, report.bytes)
+                    progress_at[rank] = now
+            if not keep_waiting(
+                reports, now=now, noticed_at=noticed, progress_at=progress_at, alive=_alive,
+                ack_s=JIT_ACK_S, stall_s=JIT_STALL_S, max_s=self._grace_s,
+            ):
+                break
+            time.sleep(0.02)
+        waited = time.monotonic() - noticed
+        states = ", ".join(f"rank {r} {rep.state} step {rep.step}"
+                           for r, rep in sorted(reports.items()))
+        log.info("waited %.2f s for just-in-time saves (%s)", waited, states)
+        self._reporter.jit_wait(waited)
+        return any(r.state == DONE for r in reports.values()) and all(
+            r.finished or not _alive(r.pid) for r in reports.values()
+        )
 
     def _report_running(self) -> None:
         group = self._worker_group
@@ -252,6 +308,15 @@ class TidalElasticAgent(LocalElasticAgent):
         self._report_running()
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
 def _ignore_stop_requests() -> None:
     """From here on the outcome is decided; let a SIGTERM not interrupt reporting it.
 
@@ -331,6 +396,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     agent = TidalElasticAgent(
         worker_spec,
         reporter=reporter,
+        progress_dir=progress_dir,
         logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),

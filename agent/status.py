@@ -340,6 +340,10 @@ class RunnerMetrics(BaseModel):
     recovery_seconds: dict[str, HistogramData] = Field(default_factory=dict)
     elastic_calls: dict[str, ElasticCall] = Field(default_factory=dict)
     elastic_values: dict[str, float] = Field(default_factory=dict)
+    # Goodput (docs/checkpoints.md): seconds the workers trained productively,
+    # and seconds lost, by cause.
+    productive_seconds: float = 0.0
+    lost_seconds: dict[str, float] = Field(default_factory=dict)
 
 
 def read_runner_metrics(path: Path) -> RunnerMetrics | None:
@@ -406,6 +410,21 @@ class RunnerMetricsRecorder:
                 key = str(int(code))
                 self._data.worker_exits[key] = self._data.worker_exits.get(key, 0) + 1
                 self._version += 1
+
+    def add_lost(self, cause: str, seconds: float) -> None:
+        """Count ``seconds`` of training time lost to ``cause``."""
+        with self._lock:
+            lost = self._data.lost_seconds
+            lost[cause] = lost.get(cause, 0.0) + max(0.0, seconds)
+            self._version += 1
+
+    def add_productive(self, seconds: float) -> None:
+        """Count ``seconds`` of productive training."""
+        if seconds <= 0:
+            return
+        with self._lock:
+            self._data.productive_seconds += seconds
+            self._version += 1
 
     def observe_recovery(self, reason: str, seconds: float) -> None:
         with self._lock:
@@ -560,6 +579,11 @@ class StatusReporter:
                 self._recovery = _Recovery(started=time.time(), baseline=restart_count)
             else:
                 self._recovery.baseline = max(self._recovery.baseline, restart_count)
+
+    def jit_wait(self, seconds: float) -> None:
+        """The runner waited this long for its workers' just-in-time saves."""
+        self.recorder.add_lost("jit_save_wait", seconds)
+        self._dirty.set()
 
     def count_exits(self, codes: Iterable[int]) -> None:
         """Count worker processes that exited with these codes."""

@@ -49,7 +49,6 @@ import struct
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +167,9 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict[str, Any],
     except KeyboardInterrupt:
         code = 128 + signal.SIGINT
     except BaseException:
-        traceback.print_exc()
+        # As python would: the excepthook (checkpoints' just-in-time save hooks it).
+        with contextlib.suppress(BaseException):
+            sys.excepthook(*sys.exc_info())
         code = 1
     finally:
         with contextlib.suppress(BaseException):

@@ -49,6 +49,7 @@ save there; the job falls back to its last periodic checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -56,6 +57,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -149,17 +151,34 @@ def write_report(directory: Path, report: SavingReport) -> None:
         os.replace(temp, path)
 
 
+def _read_small(path: str) -> bytes | None:
+    """A regular file of at most 4 KiB, opened without following a symlink or blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > 4096:
+            return None
+        return os.read(fd, 4097)
+    finally:
+        os.close(fd)
+
+
 def read_reports(directory: Path) -> dict[int, SavingReport]:
-    """Every rank's report in ``directory``, by rank (unreadable ones skipped)."""
+    """Every rank's report in ``directory``, by rank (unreadable ones skipped).
+
+    The runner reads them from a directory its workers write: only regular
+    files of a few KiB, never through a symlink nor from a FIFO.
+    """
     found: dict[int, SavingReport] = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            if not _REPORT.match(entry.name) or not entry.is_file(follow_symlinks=False):
+            if not _REPORT.match(entry.name):
                 continue
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                if entry.stat(follow_symlinks=False).st_size > 4096:
+                data = _read_small(entry.path)
+                if data is None:
                     continue
-                body = json.loads(Path(entry.path).read_text())
+                body = json.loads(data)
                 report = SavingReport(
                     rank=int(body["rank"]), pid=int(body["pid"]), state=str(body["state"]),
                     step=int(body["step"]), bytes=int(body["bytes"]), time=float(body["time"]),
@@ -171,9 +190,15 @@ def read_reports(directory: Path) -> dict[int, SavingReport]:
 
 def write_notice(directory: Path, reason: str) -> None:
     """The runner: tell this node's workers that a peer is gone (they save, then are stopped)."""
-    temp = directory / f".{NOTICE_NAME}.tmp"
+    temp = directory / f".{NOTICE_NAME}.{os.getpid()}.tmp"
     with contextlib.suppress(OSError):
-        temp.write_text(json.dumps({"reason": reason, "time": time.time()}))
+        # The directory is the workers': never write through a name they may have planted.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"reason": reason, "time": time.time()}))
         os.replace(temp, directory / NOTICE_NAME)
 
 
@@ -289,6 +314,9 @@ class JustInTimeSaver:
         """Start saving on a failed collective (excepthook) or the runner's notice (a thread)."""
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
+        # An exit while the watcher saves (the main thread's exception, handled
+        # by someone else's code) waits for the save rather than cutting it off.
+        atexit.register(self._finish_in_flight)
         if self._progress_dir is None:
             return
         self._report(ARMED)
@@ -299,11 +327,16 @@ class JustInTimeSaver:
         """Stop watching; remove the hooks (the checkpointer is closed)."""
         self._stop.set()
         self._hook.remove()
+        atexit.unregister(self._finish_in_flight)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_hook or sys.__excepthook__
         if self._progress_dir is not None and not self._started:
             with contextlib.suppress(OSError):
                 _report_path(self._progress_dir, self._rank).unlink()
+
+    def _finish_in_flight(self) -> None:
+        if self._started:
+            self._saved.wait()
 
     def _excepthook(
         self, kind: type[BaseException], value: BaseException, tb: TracebackType | None
