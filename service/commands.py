@@ -43,25 +43,35 @@ Exit codes, which scripts can rely on:
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
-from rendezvous.records import RUNNER_RANK
-from service.cli_output import age, dump_json, labelled, table
+from service.cli_common import (
+    connect,
+    json_option,
+    reporting_errors,
+    target_options,
+)
+from service.cli_output import age, dump_json, table
 from service.cli_output import clock as _clock
+from service.cli_views import (
+    bounds,
+    error_lines,
+    event_line,
+    next_steps,
+    nodes_table,
+    status_text,
+)
 from service.client import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -74,8 +84,6 @@ from service.client import (
     InvalidSpecError,
     NotConfiguredError,
     TargetError,
-    TidalError,
-    UnauthorizedError,
     WaitTimeoutError,
     build_spec,
     default_name,
@@ -83,89 +91,9 @@ from service.client import (
 )
 from service.client import default_state_dir as _default_state_dir
 from service.jobfile import JobFileError, job_fields
-from service.models import JobEvent, JobPhase, JobView, NodeView
-
-TRACEBACK_LINES = 20
+from service.models import JobEvent, JobPhase, JobView
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class CommandError(click.ClickException):
-    """A failure shown as ``error: <message>`` on stderr, exiting with ``exit_code``."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
-
-    def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-def cli_error(exc: TidalError) -> CommandError:
-    """A client error as the command line reports it: its message (with a hint
-    for a wrong token) and its own exit code (service.errors)."""
-    message = exc.message
-    if isinstance(exc, UnauthorizedError):
-        message += " (check --token, TIDAL_TOKEN or TIDAL_TOKEN_FILE)"
-    return CommandError(message, exc.exit_code)
-
-
-def reporting_errors(func: F) -> F:
-    """Run a command's callback so that a :class:`TidalError` it raises becomes
-    ``error: <message>`` and the error's exit code, not a traceback."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except TidalError as exc:
-            raise cli_error(exc) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-# common options ------------------------------------------------------------------------
-
-
-def _target_options(func: F) -> F:
-    options = [
-        click.option("--url", metavar="URL", default=None,
-                     help="Coordinator URL (default: $TIDAL_URL, else the cluster file)."),
-        click.option("--token", metavar="TOKEN", default=None,
-                     help="API token (default: $TIDAL_TOKEN, $TIDAL_TOKEN_FILE, else the "
-                          "cluster file's; prefer those: flags show in `ps`)."),
-        click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=None,
-                     help="Where `tidal up` keeps cluster.json (default: $TIDAL_HOME, "
-                          "else ~/.tidal)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _json_option(func: F) -> F:
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print the API's JSON instead of a table.")(func)
-
-
-def _quiet_http_logs() -> None:
-    # The `tidal` group logs at INFO; httpx would log every request there.
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-
-@contextmanager
-def connect(url: str | None, token: str | None, state_dir: Path | None) -> Iterator[Client]:
-    """A client of the configured coordinator; its failures become
-    :class:`CommandError` with their exit codes (4, 5 or 6)."""
-    _quiet_http_logs()
-    try:
-        with Client(url, token, state_dir=state_dir) as client:
-            yield client
-    except TidalError as exc:
-        raise cli_error(exc) from None
 
 
 def _check_id(value: str, *, what: str) -> str:
@@ -181,90 +109,6 @@ def _job_id(_: click.Context, __: click.Parameter, value: str) -> str:
 
 def _node_id(_: click.Context, __: click.Parameter, value: str) -> str:
     return _check_id(value, what="node id")
-
-
-# formatting ----------------------------------------------------------------------------
-
-
-def _bounds(view: JobView) -> str:
-    return f"{view.spec.min_nodes}..{view.spec.max_nodes}"
-
-
-def _event_line(event: JobEvent) -> str:
-    extra = ""
-    if event.world_size or event.nodes:
-        extra = f" [world size {event.world_size}"
-        extra += f": {', '.join(event.nodes)}]" if event.nodes else "]"
-    return (f"{_clock(event.time, with_date=False)}  {event.phase.value:<9}  "
-            f"{event.reason.value:<15}  {event.message}{extra}")
-
-
-def _error_lines(view: JobView) -> list[str]:
-    err = view.error
-    if err is None:
-        return []
-    how = f"signal {err.signal}" if err.signal else f"exit code {err.exit_code}"
-    if err.rank == RUNNER_RANK:  # the node's runner: its message says it all
-        lines = [err.message or f"the runner failed with {how}"]
-    else:
-        lines = [f"rank {err.rank} failed with {how}" + (f": {err.message}" if err.message else "")]
-    if err.traceback:
-        tail = err.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
-        lines.append(f"last {len(tail)} line(s) of its traceback or stderr:")
-        lines += [f"  {line}" for line in tail]
-    return lines
-
-
-def _status_text(view: JobView) -> str:
-    spec = view.spec
-    restarts = str(view.restart_count)
-    if view.restarts:
-        restarts += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(view.restarts.items())) + ")"
-    step = "-" if view.last_step is None else str(view.last_step)
-    if view.last_checkpoint_step is not None:
-        step += f" (last checkpoint at step {view.last_checkpoint_step})"
-    phase = view.phase.value + (" (cancel requested)" if view.cancel_requested
-                                and not view.phase.is_terminal() else "")
-    pairs: list[tuple[str, object]] = [
-        ("job", view.job_id),
-        ("phase", phase),
-        ("command", shlex.join(spec.command)),
-        ("nodes", f"{len(view.nodes)} of {_bounds(view)}, {spec.nproc_per_node} worker(s) "
-                  + (f"and {spec.gpus_per_node} GPU(s) " if spec.gpus_per_node else "")
-                  + f"per node, world size {view.world_size}"),
-        ("restarts", f"{restarts}, budget {spec.max_restarts}"),
-        ("step", step),
-        ("priority", spec.priority),
-        ("created", _clock(view.created_at)),
-        ("started", _clock(view.started_at) if view.started_at else None),
-        ("finished", _clock(view.finished_at) if view.finished_at else None),
-        ("exit reason", view.exit_reason.value if view.exit_reason else None),
-    ]
-    if spec.working_dir:
-        pairs.append(("workdir", spec.working_dir))
-    if spec.checkpoint_dir:
-        pairs.append(("checkpoints", spec.checkpoint_dir))
-    if spec.env_names:
-        pairs.append(("env", ", ".join(spec.env_names)))
-    if spec.node_selector:
-        pairs.append(("labels", ", ".join(f"{k}={v}" for k, v in spec.node_selector.items())))
-    pairs += [("condition", f"{cond.type}={cond.status} ({cond.reason}"
-                            f"{': ' + cond.message if cond.message else ''})")
-              for cond in view.conditions]
-    lines = labelled(pairs)
-    if view.nodes:
-        gpus = any(n.devices for n in view.nodes)  # the GPUs column only for GPU jobs
-        lines += ["", table(
-            ["NODE", "STATE", "RANKS", *(["GPUS"] if gpus else []), "STEP", "RESTARTS"],
-            [[n.node_id, n.state, ",".join(map(str, n.ranks)) or None,
-              *([",".join(map(str, n.devices)) or None] if gpus else []), n.last_step,
-              n.restart_count] for n in view.nodes],
-            shrink=["RANKS"],
-        )]
-    errors = _error_lines(view)
-    if errors:
-        lines += ["", "error: " + errors[0], *errors[1:]]
-    return "\n".join(lines)
 
 
 # following a job -----------------------------------------------------------------------
@@ -334,7 +178,7 @@ def _follow_human(client: Client, job_id: str, *, timeout_s: float | None) -> in
 
     def show(_: JobView, events: list[JobEvent]) -> None:
         for event in events:
-            click.echo(_event_line(event))
+            click.echo(event_line(event))
 
     try:
         view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
@@ -346,7 +190,7 @@ def _follow_human(client: Client, job_id: str, *, timeout_s: float | None) -> in
     if view.started_at and view.finished_at:
         took = f" after {(view.finished_at - view.started_at).total_seconds():.1f} s"
     click.echo(f"job {job_id} {view.phase.value}{took}")
-    for line in _error_lines(view):
+    for line in error_lines(view):
         click.echo(line, err=True)
     if view.phase == JobPhase.FAILED:
         click.echo(f"its output: tidal logs {job_id}", err=True)
@@ -372,17 +216,6 @@ def _follow_json(client: Client, job_id: str, *, timeout_s: float | None) -> int
 
 
 # submit --------------------------------------------------------------------------------
-
-
-def next_steps(job_id: str) -> str:
-    """What to type next about a job submitted without waiting."""
-    return "\n".join([
-        f"submitted job {job_id}; it runs without this command:",
-        f"  follow it:      tidal status {job_id} --watch",
-        f"  read its logs:  tidal logs {job_id} -f",
-        f"  its history:    tidal events {job_id}",
-        f"  stop it:        tidal cancel {job_id}",
-    ])
 
 
 def _pairs(values: Sequence[str], *, option: str, from_env: bool = False) -> dict[str, str]:
@@ -474,7 +307,7 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job's JSON (JobView); while following, one JSON line "
                    "per change, as `status --watch --json`.")
-@_target_options
+@target_options
 def submit_command(
     job_file: str | None, name: str | None, min_nodes: int | None, max_nodes: int | None,
     nproc_per_node: int | None, gpus_per_node: int | None,
@@ -538,7 +371,7 @@ def submit_command(
             click.echo(view.job_id)
             click.echo(next_steps(view.job_id), err=True)
             return
-        click.echo(f"submitted job {view.job_id} ({_bounds(view)} node(s) x "
+        click.echo(f"submitted job {view.job_id} ({bounds(view)} node(s) x "
                    f"{spec.nproc_per_node} worker(s)); following it, Ctrl-C to stop")
         code = _follow_human(client, view.job_id, timeout_s=timeout_s)
     if code != EXIT_OK:
@@ -554,8 +387,8 @@ def submit_command(
 @click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
               help="Jobs per page.")
 @click.option("--all", "all_pages", is_flag=True, help="Every page, not just the first.")
-@_json_option
-@_target_options
+@json_option
+@target_options
 def jobs_command(
     phase: str | None, limit: int, all_pages: bool, as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
@@ -577,7 +410,7 @@ def jobs_command(
         return
     click.echo(table(
         ["JOB", "PHASE", "NODES", "WORLD", "RESTARTS", "STEP", "AGE", "COMMAND"],
-        [[v.job_id, v.phase.value, f"{len(v.nodes)} ({_bounds(v)})", v.world_size,
+        [[v.job_id, v.phase.value, f"{len(v.nodes)} ({bounds(v)})", v.world_size,
           v.restart_count, v.last_step, age(v.created_at), shlex.join(v.spec.command)]
          for v in views],
         shrink=["COMMAND"],
@@ -592,8 +425,8 @@ def jobs_command(
               help="Follow the job until it ends; exit 0 succeeded, 1 failed, 3 cancelled.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=None, help="With --watch: stop after this many seconds (exit 7).")
-@_json_option
-@_target_options
+@json_option
+@target_options
 def status_command(
     job: str, watch: bool, timeout_s: float | None, as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
@@ -610,7 +443,7 @@ def status_command(
             if as_json:
                 click.echo(dump_json(view))
                 return
-            click.echo(_status_text(view))
+            click.echo(status_text(view))
             if not watch:
                 return
             click.echo("")
@@ -621,8 +454,8 @@ def status_command(
 
 @click.command("events")
 @click.argument("job", callback=_job_id)
-@_json_option
-@_target_options
+@json_option
+@target_options
 def events_command(
     job: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
@@ -641,8 +474,8 @@ def events_command(
 
 
 @click.command("nodes")
-@_json_option
-@_target_options
+@json_option
+@target_options
 def nodes_command(
     as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
@@ -655,29 +488,7 @@ def nodes_command(
     if not nodes:
         click.echo("no nodes are registered", err=True)
         return
-    click.echo(_nodes_table(nodes))
-
-
-def _nodes_table(nodes: Sequence[NodeView]) -> str:
-    text = table(
-        ["NODE", "STATE", "SLOTS", "GPUS", "ADDRESS", "LABELS", "JOBS"],
-        [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", _gpus_cell(n), n.address,
-          ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or None,
-          ",".join(n.jobs) or None] for n in nodes],
-        shrink=["JOBS", "LABELS", "ADDRESS"],
-    )
-    failed = [f"{n.node_id}: GPU {g.index}{' ' + g.uuid if g.uuid else ''} is out of service: "
-              f"{g.fault or 'failed'}" for n in nodes for g in n.gpu_devices if not g.healthy]
-    return "\n".join([text, *failed])
-
-
-def _gpus_cell(node: NodeView) -> str | int:
-    """GPUs asked for / healthy, and how many failed: "2/3 (1 failed)"."""
-    if not node.gpu_devices:
-        return node.gpus
-    healthy = sum(1 for g in node.gpu_devices if g.healthy)
-    failed = len(node.gpu_devices) - healthy
-    return f"{node.gpus_used}/{healthy}" + (f" ({failed} failed)" if failed else "")
+    click.echo(nodes_table(nodes))
 
 
 # changing jobs and nodes ---------------------------------------------------------------
@@ -689,8 +500,8 @@ def _gpus_cell(node: NodeView) -> str | int:
               help="New minimum number of nodes.")
 @click.option("--max", "max_nodes", type=click.IntRange(1), default=None,
               help="New maximum number of nodes.")
-@_json_option
-@_target_options
+@json_option
+@target_options
 def scale_command(
     job: str, min_nodes: int | None, max_nodes: int | None, as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
@@ -703,14 +514,14 @@ def scale_command(
     if as_json:
         click.echo(dump_json(view))
         return
-    click.echo(f"job {view.job_id}: {_bounds(view)} node(s), now {view.phase.value} "
+    click.echo(f"job {view.job_id}: {bounds(view)} node(s), now {view.phase.value} "
                f"on {len(view.nodes)}")
 
 
 @click.command("cancel")
 @click.argument("job", callback=_job_id)
-@_json_option
-@_target_options
+@json_option
+@target_options
 def cancel_command(
     job: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
@@ -729,8 +540,8 @@ def cancel_command(
 
 @click.command("drain")
 @click.argument("node", callback=_node_id)
-@_json_option
-@_target_options
+@json_option
+@target_options
 def drain_command(
     node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
@@ -746,8 +557,8 @@ def drain_command(
 
 @click.command("undrain")
 @click.argument("node", callback=_node_id)
-@_json_option
-@_target_options
+@json_option
+@target_options
 def undrain_command(
     node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
@@ -951,7 +762,7 @@ def _local_cluster(state_dir: Path | None) -> ClusterFile:
               help="Keep printing new lines until the job ends (or Ctrl-C).")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per line: node, rank, generation, attempt, stream, line.")
-@_target_options
+@target_options
 def logs_command(
     job: str, node: str | None, rank: int | None, tail: int | None, follow: bool,
     as_json: bool, url: str | None, token: str | None, state_dir: Path | None,

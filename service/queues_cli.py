@@ -16,9 +16,11 @@ from urllib.parse import quote
 import click
 from pydantic import TypeAdapter
 
+from service.cli_common import connect
+from service.cli_common import json_option as _json_option
+from service.cli_common import target_options as _target_options
 from service.cli_output import dump_json, table
 from service.client import Client, _Call
-from service.commands import _json_option, _target_options, connect
 from service.queues import QUEUE_PATTERN, QueueChanged, QueueList, QueueView
 
 _LIST: TypeAdapter[QueueList] = TypeAdapter(QueueList)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.cli_common import cli_error
 from service.client import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
@@ -45,7 +46,6 @@ from service.client import (
     check_outcome,
     exit_code,
 )
-from service.commands import cli_error
 from service.errors import api_error
 from service.models import JobPhase, JobView
 
