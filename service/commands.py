@@ -20,11 +20,15 @@
 Every command takes ``--url``, ``--token`` and ``--state-dir``; the coordinator
 is found by :func:`service.client.resolve_target` (flags, then ``TIDAL_URL`` /
 ``TIDAL_TOKEN`` / ``TIDAL_TOKEN_FILE``, then the cluster file ``tidal up``
-writes). Tables are for people; ``--json`` prints the API's own JSON (JSON
-lines for ``logs`` and ``status --watch``). Errors are one line,
+writes). Tables are for people and fit ``$COLUMNS`` or the terminal
+(service.cli_output); every command takes ``--json`` and prints the API's own
+JSON instead (JSON lines for ``logs``, ``status --watch`` and a followed
+``submit``). ``submit --no-wait`` prints the job id alone on stdout and the
+commands to follow, read and stop the job on stderr. Errors are one line,
 ``error: <message>``, on stderr.
 
-Exit codes, which scripts can rely on:
+Exit codes, which scripts can rely on; each failure is a class of
+:mod:`service.errors` that carries its code, shared with the Python client:
 
 * 0: done; for ``submit`` and ``status --watch``, the job SUCCEEDED;
 * 1: the job FAILED (``submit``, ``status --watch``);
