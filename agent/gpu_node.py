@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from agent.devices import DeviceMemory, failed_devices, plan_devices
-from agent.gpus import GpuMonitor, GpuSnapshot, open_inventory
+from agent.gpus import GpuMonitor, GpuSnapshot, call_with_deadline, open_inventory
 from agent.settings import AgentSettings
 from rendezvous.gpus import GpuInfo
 
@@ -46,7 +46,10 @@ class NodeGpus:
         """
         s = self._settings
         selection = s.gpu_selection
-        inventory = open_inventory(selection, s.gpu_inventory_file)
+        # NVML's start can block on a sick GPU too: the agent says so and exits.
+        inventory = call_with_deadline(
+            lambda: open_inventory(selection, s.gpu_inventory_file), 30.0, "NVML's start"
+        )
         self._monitor = GpuMonitor(
             inventory, selection, interval_s=s.gpu_poll_s, on_change=on_change
         ).start()

@@ -33,13 +33,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from rendezvous.gpus import MAX_GPUS, GpuInfo, check_indices
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: XIDs that mean the GPU itself is broken (not the program on it): double-bit
 #: ECC, GPU hung or stopped processing, row remapping failure, NVLink error,
@@ -406,14 +408,14 @@ class DeadlineError(TimeoutError):
     """A call did not return within its deadline (it goes on, abandoned, on its thread)."""
 
 
-def call_with_deadline(fn: Callable[[], GpuSnapshot], timeout_s: float, what: str) -> GpuSnapshot:
+def call_with_deadline(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     """``fn()`` on a daemon thread, waited for at most ``timeout_s``.
 
     Raises:
         DeadlineError: it did not return in time.
         Exception: whatever ``fn`` raised.
     """
-    box: list[GpuSnapshot] = []
+    box: list[T] = []
     error: list[BaseException] = []
 
     def target() -> None:
