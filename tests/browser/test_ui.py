@@ -2,7 +2,8 @@
 coordinator and real agents.
 
 * signing in: a wrong token is refused and shows nothing; the right one shows
-  the jobs, and a job submitted meanwhile appears;
+  the jobs, and a job submitted meanwhile appears; the nodes page shows a
+  node's GPUs, a failed one with its fault;
 * a job's page: a resize by the API shows up as the new world size, an event
   with its recovery's duration, and a change in the chart; its logs stream;
   the Grafana link names the job; a failed job's page shows its error; the
@@ -15,6 +16,8 @@ coordinator and real agents.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -143,6 +146,24 @@ def logs_route_exists(url: str) -> bool:
     return "/v1/jobs/{job_id}/logs" in paths
 
 
+@contextlib.contextmanager
+def explained(driver: Any, cluster: tuple[CoordinatorProcess, AgentCluster], api: httpx.Client,
+              job_ids: list[str]) -> Iterator[None]:
+    """On failure, print what the page and the API showed, and the processes' logs."""
+    try:
+        yield
+    except BaseException:
+        coordinator, agents = cluster
+        with contextlib.suppress(Exception):
+            print("the page:", driver.execute_script("return document.body.innerText"))
+        for job_id in job_ids:
+            with contextlib.suppress(Exception):
+                print("the API's view:", job_view(api, job_id))
+                print("its events:", api.get(f"/v1/jobs/{job_id}/events").json())
+        print(coordinator.log_tail(), agents.log_tails(), sep="\n")
+        raise
+
+
 def screenshot(driver: Any, name: str) -> None:
     if SCREENSHOTS:
         Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
@@ -157,11 +178,16 @@ def screenshot(driver: Any, name: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
-    cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
 ):
-    coordinator, _ = cluster
-    api = coordinator.client()
-    driver = browser
+    api = cluster[0].client()
+    job_ids: list[str] = []
+    with explained(browser, cluster, api, job_ids):
+        _sign_in_scenario(tmp_path, *cluster, api, browser, job_ids)
+
+
+def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: AgentCluster,
+                      api: httpx.Client, driver: Any, job_ids: list[str]) -> None:
     # The shell is open and holds no data; what the page reads needs the token.
     assert httpx.get(f"{coordinator.url}/ui/", timeout=10).text == INDEX.read_text()
     assert httpx.get(f"{coordinator.url}/v1/ui/config", timeout=10).status_code == 401
@@ -181,8 +207,19 @@ def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
     assert "No jobs yet" in text_of(driver, "#jobs")
     assert_nothing_secret(driver)
 
-    job_id = api.post("/v1/jobs", json=job_spec("appears", env={"UI_TEST_SECRET": SECRET},
-                                                min_nodes=1, max_nodes=2)).json()["job_id"]
+    # A node with two GPUs, one failed; the job asks for a label it lacks (stays PENDING).
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps({"gpus": [
+        {"index": 0, "uuid": "GPU-ui-0", "model": "NVIDIA H100 80GB HBM3",
+         "memory_bytes": 80 << 30},
+        {"index": 1, "uuid": "GPU-ui-1", "model": "NVIDIA H100 80GB HBM3",
+         "memory_bytes": 80 << 30, "healthy": False, "fault": "XID 79: fell off the bus"},
+    ]}))
+    agents.start_agent("g", env=dict(os.environ, TIDAL_GPU_INVENTORY_FILE=str(inventory)))
+    job_id = api.post("/v1/jobs", json=job_spec(
+        "appears", env={"UI_TEST_SECRET": SECRET}, min_nodes=1, max_nodes=2,
+        node_selector={"pool": "elsewhere"})).json()["job_id"]
+    job_ids.append(job_id)
     row = wait_for(lambda: job_row(driver, job_id), timeout=15, what="the new job's row")
     assert row["Name"] == "appears" and row["Phase"] == "PENDING" and row["World size"] == "0"
     assert row["Queue"] == job_view(api, job_id)["spec"].get("queue", "—")
@@ -219,8 +256,10 @@ def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
                          [4, {"seconds": 2, "ongoing": True}]]
 
     driver.find_element(By.LINK_TEXT, "Nodes").click()
-    wait_for(lambda: shown(driver, "#nodes"), timeout=10, what="the nodes table")
-    assert "No node is registered" in text_of(driver, "#nodes")
+    wait_for(lambda: shown(driver, "#nodes tr[data-node='g']"), timeout=30, what="node g's row")
+    gpus = text_of(driver, "#nodes tr[data-node='g'] ul.gpus")
+    assert "GPU 0 NVIDIA H100 80GB HBM3 80 GiB" in gpus
+    assert "GPU 1 NVIDIA H100 80GB HBM3 80 GiB — failed: XID 79: fell off the bus" in gpus
 
     driver.find_element(By.CSS_SELECTOR, "#sign-out").click()
     wait_for(lambda: shown(driver, "#login"), timeout=10, what="the sign-in form again")
@@ -235,16 +274,22 @@ def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
 def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
     cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
 ):
+    api = cluster[0].client()
+    job_ids: list[str] = []
+    with explained(browser, cluster, api, job_ids):
+        _resize_scenario(*cluster, api, browser, job_ids)
+
+
+def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api: httpx.Client,
+                     driver: Any, job_ids: list[str]) -> None:
     from selenium.webdriver.common.by import By
 
-    coordinator, agents = cluster
-    api = coordinator.client()
-    driver = browser
     agents.start_agent("a")
     agents.start_agent("b")
     spec = job_spec("resized", command=[sys.executable, str(STEPPER)],
                     env={"UI_TEST_SECRET": SECRET}, min_nodes=1, max_nodes=2, grace_period_s=5)
     job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+    job_ids.append(job_id)
 
     driver.get(f"{coordinator.url}/ui/")
     sign_in(driver, TOKEN)
@@ -276,19 +321,14 @@ def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
         # The API's event (the new bounds), then the scheduler's (a node
         # released, world size 1): one recovery, shown on the first.
         scaled = [e for e in events_shown(driver) if e["reason"] == "scaled_by_user"]
-        seen.update(summary=summary(driver), scaled=scaled)
-        ok = (seen["summary"].get("World size", "").startswith("1 ")
-              and seen["summary"].get("Phase") == "RUNNING"
+        shown_now = summary(driver)
+        ok = (shown_now.get("World size", "").startswith("1 ")
+              and shown_now.get("Phase") == "RUNNING"
               and len(scaled) == 2 and scaled[0]["world"] == "1"
               and scaled[1]["recovery"].endswith(" s") and "so far" not in scaled[1]["recovery"])
         return scaled if ok else None
 
-    seen: dict[str, object] = {}
-    try:
-        wait_for(resized, timeout=120, what="the page at world size 1 with the resize's recovery")
-    except TimeoutError:
-        print("last seen on the page:", seen)
-        raise
+    wait_for(resized, timeout=120, what="the page at world size 1 with the resize's recovery")
     assert driver.find_element(By.CSS_SELECTOR, "#world-size-chart path").get_attribute("d") \
         != chart_before
     wait_for(lambda: summary(driver).get("Step", "—") != "—", timeout=60, what="steps again")
@@ -309,6 +349,7 @@ def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
     failing = api.post("/v1/jobs", json=job_spec(
         "fails", command=[sys.executable, "-c", "import sys; sys.exit(3)"], max_restarts=0,
     )).json()["job_id"]
+    job_ids.append(failing)
     driver.get(f"{coordinator.url}/ui/#/jobs/{failing}")
     wait_for(lambda: "exit code 3" in text_of(driver, "#job-error"), timeout=60,
              what="the failed job's error on its page")

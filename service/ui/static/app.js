@@ -312,6 +312,9 @@
     const devices = Array.isArray(node.gpu_devices) ? node.gpu_devices : [];
     if (!devices.length) return node.gpus ? String(node.gpus) : "none";
     const cell = el("ul", {class: "gpus"});
+    if (typeof node.gpus_used === "number") {
+      cell.appendChild(el("li", {class: "muted"}, node.gpus_used + " of " + devices.length + " in use"));
+    }
     for (const gpu of devices) {
       const memory = gpu.memory_bytes ? " " + Math.round(gpu.memory_bytes / 2 ** 30) + " GiB" : "";
       const health = gpu.healthy === false ? " — failed" + (gpu.fault ? ": " + gpu.fault : "") : "";
@@ -484,9 +487,10 @@
       ["Last checkpoint", view.last_checkpoint_step === null || view.last_checkpoint_step === undefined
         ? "—" : "step " + view.last_checkpoint_step +
           (view.last_checkpoint_at ? " (" + ageOf(view.last_checkpoint_at, now) + " ago)" : "")],
-      ["Restarts", view.restart_count + " of at most " + spec.max_restarts +
+      ["Restarts", view.restart_count +
         (Object.keys(view.restarts).length
-          ? " (" + Object.entries(view.restarts).map(([k, v]) => k + " " + v).join(", ") + ")" : "")],
+          ? " (" + Object.entries(view.restarts).map(([k, v]) => k + " " + v).join(", ") + ")" : "") +
+        "; worker-failure budget " + spec.max_restarts + " per node"],
       ["Age", ageOf(view.created_at, now)],
       ["Submitted", clock(view.created_at)],
       ["Finished", clock(view.finished_at)],
