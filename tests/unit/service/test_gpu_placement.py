@@ -5,9 +5,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rendezvous.gpus import GpuInfo
+from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo
 from service.models import JobRecord, JobSpec
 from service.scheduler import ClusterView, plan
@@ -80,3 +83,36 @@ def test_gpus_asked_by_other_nodes_jobs_do_not_count() -> None:
     view = ClusterView(jobs=jobs, nodes={"n": gpu_node("n", 4), "m": gpu_node("m", 4)})
     result = placed(view)
     assert result["a"] == {"n", "m"} and len(result["b"]) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 3)), min_size=1, max_size=5),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(1, 3)), min_size=1, max_size=8),
+)
+def test_no_node_is_asked_for_more_gpus_than_it_has_healthy(
+    node_specs: list[tuple[int, int]], job_specs: list[tuple[int, int]]
+) -> None:
+    """Over two passes (the second sees the first's assignments), the GPUs the
+    assignments on each node ask for never exceed its healthy GPUs."""
+    nodes = {}
+    for i, (n, failed) in enumerate(node_specs):
+        if n:
+            nodes[f"n{i}"] = gpu_node(f"n{i}", n, failed=tuple(range(min(failed, n))))
+        else:
+            nodes[f"n{i}"] = NodeInfo(node_id=f"n{i}", slots=4, started_at=T0, version="test")
+    jobs = {f"j{i}": gpu_job(f"j{i}", gpus, created=i, nodes=count)
+            for i, (gpus, count) in enumerate(job_specs)}
+    assignments: dict[str, dict[str, Assignment]] = {}
+    for _ in range(2):
+        view = ClusterView(jobs=jobs, nodes=nodes, assignments=assignments)
+        for change in plan(view, T0 + timedelta(minutes=1)):
+            per_node = assignments.setdefault(change.job_id, {})
+            per_node.update(change.put)
+            for node_id in change.delete:
+                per_node.pop(node_id, None)
+            jobs[change.job_id] = change.record
+        for node_id, info in nodes.items():
+            asked = sum(per[node_id].gpus_per_node for per in assignments.values()
+                        if node_id in per)
+            assert asked <= info.healthy_gpus, (node_id, asked, info.healthy_gpus)
