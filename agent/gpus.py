@@ -120,12 +120,23 @@ def parse_selection(text: str) -> list[int] | None:
 def select(snapshot: GpuSnapshot, chosen: Sequence[int] | None) -> GpuSnapshot:
     """The part of ``snapshot`` the agent offers: every GPU, or ``chosen`` ones.
 
-    A chosen index the inventory does not know is offered as a bare, healthy
-    GPU: explicit indices work on a machine without NVML.
+    Where the inventory lists no GPU at all (no NVML), a chosen index is
+    offered as a bare, healthy GPU: explicit indices work without NVML.
+
+    Raises:
+        GpuInventoryError: an index the inventory does not list, where it lists
+            some (``--gpus 8`` on a machine with GPUs 0-7).
     """
     if chosen is None:
         return snapshot
     known = {g.index: g for g in snapshot.gpus}
+    unknown = [i for i in chosen if i not in known]
+    if known and unknown:
+        raise GpuInventoryError(
+            f"--gpus names GPU(s) {', '.join(map(str, unknown))}, which this machine does not "
+            f"have (it has {', '.join(map(str, sorted(known)))}); --gpus takes indices, not a "
+            "count"
+        )
     gpus = tuple(known.get(i) or GpuInfo(index=i) for i in chosen)
     readings = {i: r for i, r in snapshot.readings.items() if i in chosen}
     return GpuSnapshot(gpus, readings)

@@ -57,11 +57,17 @@ def test_settings_refuse_a_bad_gpus_value() -> None:
         AgentSettings(gpus="0,x")
 
 
-def test_explicit_indices_unknown_to_the_inventory_are_offered_bare() -> None:
-    snap = GpuSnapshot((GpuInfo(index=0, uuid="GPU-0"),))
-    picked = select(snap, [0, 5])
-    assert [(g.index, g.uuid, g.healthy) for g in picked.gpus] == [(0, "GPU-0", True),
-                                                                   (5, "", True)]
+def test_explicit_indices_are_offered_bare_where_the_inventory_lists_none() -> None:
+    picked = select(GpuSnapshot(), [0, 5])
+    assert [(g.index, g.uuid, g.healthy) for g in picked.gpus] == [(0, "", True), (5, "", True)]
+    snap = GpuSnapshot((GpuInfo(index=0, uuid="GPU-0"), GpuInfo(index=1, uuid="GPU-1")))
+    assert [g.uuid for g in select(snap, [1]).gpus] == ["GPU-1"]
+
+
+def test_an_index_the_machine_does_not_have_is_refused() -> None:
+    snap = GpuSnapshot(tuple(GpuInfo(index=i) for i in range(8)))
+    with pytest.raises(GpuInventoryError, match="8, which this machine does not have"):
+        select(snap, [8])
 
 
 def test_without_nvml_explicit_indices_are_a_static_inventory() -> None:
