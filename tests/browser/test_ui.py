@@ -83,16 +83,26 @@ def assert_no_script_errors(driver: Any) -> None:
 
 
 def text_of(driver: Any, selector: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    return str(driver.find_element(By.CSS_SELECTOR, selector).text)
+    """The rendered text of the first element ``selector`` matches, read in one
+    script (the page re-renders every 2 s: an element held across calls may go)."""
+    text = driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : null;", selector)
+    if text is None:
+        raise LookupError(f"nothing matches {selector}")
+    return str(text)
 
 
 def shown(driver: Any, selector: str) -> bool:
-    from selenium.webdriver.common.by import By
+    return bool(driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return !!e && e.checkVisibility();",
+        selector))
 
-    found = driver.find_elements(By.CSS_SELECTOR, selector)
-    return bool(found) and found[0].is_displayed()
+
+def click(driver: Any, selector: str) -> None:
+    """Click the element ``selector`` matches, once it is there."""
+    wait_for(lambda: driver.execute_script(
+        "const e = document.querySelector(arguments[0]); if (e) e.click(); return !!e;",
+        selector), timeout=15, what=f"{selector} to click")
 
 
 def sign_in(driver: Any, token: str) -> None:
@@ -139,6 +149,14 @@ def events_shown(driver: Any) -> list[dict[str, str]]:
           recovery: row.cells[5].innerText}));
         """
     )
+
+
+def chart_steps(driver: Any) -> list[int]:
+    """The world sizes the chart steps through, in order."""
+    sizes = driver.execute_script(
+        "const c = document.querySelector('#world-size-chart svg');"
+        "return c ? c.dataset.sizes : '';")
+    return [int(size) for size in sizes.split(",") if size]
 
 
 def logs_route_exists(url: str) -> bool:
@@ -226,12 +244,11 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
     assert_nothing_secret(driver)
 
     # A job's page: what it is, its environment by name only, the Grafana link.
-    from selenium.webdriver.common.by import By
 
-    driver.find_element(By.LINK_TEXT, job_id).click()
+    click(driver, f"#jobs a[href='#/jobs/{job_id}']")
     wait_for(lambda: summary(driver).get("Phase") == "PENDING", timeout=10, what="the job page")
     assert summary(driver)["Environment"] == "UI_TEST_SECRET (values hidden)"
-    href = driver.find_element(By.CSS_SELECTOR, "#grafana-link").get_attribute("href")
+    href = driver.execute_script("return document.querySelector('#grafana-link').href")
     assert href == f"{GRAFANA}/d/tidal-overview/tidal?var-job_id={job_id}"
     wait_for(lambda: [e["reason"] for e in events_shown(driver)] == ["submitted"], timeout=10,
              what="the submitted event")
@@ -255,13 +272,13 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
     assert durations == [[2, {"seconds": 3.5, "ongoing": False}],
                          [4, {"seconds": 2, "ongoing": True}]]
 
-    driver.find_element(By.LINK_TEXT, "Nodes").click()
+    click(driver, "#nav a[href='#/nodes']")
     wait_for(lambda: shown(driver, "#nodes tr[data-node='g']"), timeout=30, what="node g's row")
     gpus = text_of(driver, "#nodes tr[data-node='g'] ul.gpus")
     assert "GPU 0 NVIDIA H100 80GB HBM3 80 GiB" in gpus
     assert "GPU 1 NVIDIA H100 80GB HBM3 80 GiB — failed: XID 79: fell off the bus" in gpus
 
-    driver.find_element(By.CSS_SELECTOR, "#sign-out").click()
+    click(driver, "#sign-out")
     wait_for(lambda: shown(driver, "#login"), timeout=10, what="the sign-in form again")
     assert driver.execute_script("return sessionStorage.length") == 0
     assert not shown(driver, "#view")
@@ -282,7 +299,6 @@ def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
 
 def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api: httpx.Client,
                      driver: Any, job_ids: list[str]) -> None:
-    from selenium.webdriver.common.by import By
 
     agents.start_agent("a")
     agents.start_agent("b")
@@ -303,7 +319,7 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
     assert_nothing_secret(driver)
     screenshot(driver, "ui-jobs.png")
 
-    driver.find_element(By.LINK_TEXT, job_id).click()
+    click(driver, f"#jobs a[href='#/jobs/{job_id}']")
     wait_for(lambda: summary(driver).get("World size", "").startswith("2 "), timeout=30,
              what="the job page at world size 2")
     with_logs = logs_route_exists(coordinator.url)
@@ -312,7 +328,8 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
     else:  # said politely until the coordinator serves logs
         wait_for(lambda: "not available" in text_of(driver, "#logs-status"), timeout=10,
                  what="the logs' absence explained")
-    chart_before = driver.find_element(By.CSS_SELECTOR, "#world-size-chart path").get_attribute("d")
+    chart_before = chart_steps(driver)
+    assert chart_before[-1] == 2
 
     response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 1})
     assert response.status_code == 200, response.text
@@ -329,8 +346,7 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
         return scaled if ok else None
 
     wait_for(resized, timeout=120, what="the page at world size 1 with the resize's recovery")
-    assert driver.find_element(By.CSS_SELECTOR, "#world-size-chart path").get_attribute("d") \
-        != chart_before
+    assert chart_steps(driver) == [*chart_before, 1]
     wait_for(lambda: summary(driver).get("Step", "—") != "—", timeout=60, what="steps again")
     if with_logs:
         wait_for(lambda: "of 1" in text_of(driver, "#logs"), timeout=60,
@@ -338,7 +354,7 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
     assert_nothing_secret(driver)
     screenshot(driver, "ui-job.png")
 
-    driver.find_element(By.LINK_TEXT, "Nodes").click()
+    click(driver, "#nav a[href='#/nodes']")
     wait_for(lambda: shown(driver, "#nodes tr[data-node='a']")
              and shown(driver, "#nodes tr[data-node='b']"), timeout=10, what="both nodes")
     holders = [n for n in ("a", "b") if job_id in text_of(driver, f"#nodes tr[data-node='{n}']")]

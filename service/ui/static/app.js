@@ -60,6 +60,40 @@
     return node;
   }
 
+  // Make `old` look like `fresh`, keeping the nodes that are already the same:
+  // a refresh every 2 s must not pull a link from under the pointer or move the
+  // selection. Nodes differ in name or attributes: replaced; text: its data set.
+  function morph(old, fresh) {
+    if (old.isEqualNode(fresh)) return;
+    if (old.nodeType === Node.TEXT_NODE && fresh.nodeType === Node.TEXT_NODE) {
+      old.data = fresh.data;
+      return;
+    }
+    if (old.nodeType !== Node.ELEMENT_NODE || old.nodeName !== fresh.nodeName ||
+        !sameAttributes(old, fresh)) {
+      old.replaceWith(fresh);
+      return;
+    }
+    morphChildren(old, Array.from(fresh.childNodes));
+  }
+
+  function morphChildren(parent, fresh) {
+    const old = Array.from(parent.childNodes);
+    fresh.forEach((node, i) => {
+      if (i < old.length) morph(old[i], node);
+      else parent.appendChild(node);
+    });
+    for (let i = fresh.length; i < old.length; i++) old[i].remove();
+  }
+
+  function sameAttributes(a, b) {
+    if (a.attributes.length !== b.attributes.length) return false;
+    for (const attr of a.attributes) {
+      if (b.getAttribute(attr.name) !== attr.value) return false;
+    }
+    return true;
+  }
+
   function jobLink(jobId) {
     return el("a", {href: "#/jobs/" + encodeURIComponent(jobId)}, jobId);
   }
@@ -203,8 +237,9 @@
 
   function parseRoute() {
     const hash = window.location.hash.replace(/^#/, "");
-    const job = /^\/jobs\/([^/]+)$/.exec(hash);
-    if (job) return {page: "job", jobId: decodeURIComponent(job[1])};
+    // Job ids as the API has them (letters, digits, '.', '_', '-'): never a path.
+    const job = /^\/jobs\/([A-Za-z0-9][A-Za-z0-9._-]{0,62})$/.exec(hash);
+    if (job) return {page: "job", jobId: job[1]};
     if (hash === "/nodes") return {page: "nodes"};
     return {page: "jobs"};
   }
@@ -300,9 +335,9 @@
       el("td", {class: "num"}, ageOf(view.created_at, now))));
     const body = rows.length ? rows
       : [el("tr", {}, el("td", {colspan: 9, class: "muted"}, "No jobs yet. Submit one with tidal submit."))];
-    return () => $("view").replaceChildren(
+    return () => morphChildren($("view"), [
       el("h1", {}, "Jobs"),
-      el("table", {id: "jobs"}, el("thead", {}, header), el("tbody", {}, ...body)));
+      el("table", {id: "jobs"}, el("thead", {}, header), el("tbody", {}, ...body))]);
   }
 
   // --- the nodes table ----------------------------------------------------------------
@@ -348,9 +383,9 @@
       nodeJobs(node.jobs || [])));
     const body = rows.length ? rows
       : [el("tr", {}, el("td", {colspan: 7, class: "muted"}, "No node is registered."))];
-    return () => $("view").replaceChildren(
+    return () => morphChildren($("view"), [
       el("h1", {}, "Nodes"),
-      el("table", {id: "nodes"}, el("thead", {}, header), el("tbody", {}, ...body)));
+      el("table", {id: "nodes"}, el("thead", {}, header), el("tbody", {}, ...body))]);
   }
 
   // --- a job's story: recoveries and world size over time --------------------------------
@@ -399,8 +434,11 @@
 
   function worldSizeChart(points) {
     const width = 640, height = 160, left = 36, right = 8, top = 10, bottom = 24;
+    // The sizes stepped through, for people reading the markup and for the tests.
+    const sizes = points.map((p) => p[1]).filter((size, i, all) => i === 0 || size !== all[i - 1]);
     const chart = svg("svg", {viewBox: "0 0 " + width + " " + height, class: "chart",
-                              role: "img", "aria-label": "world size over time"});
+                              role: "img", "aria-label": "world size over time",
+                              "data-sizes": sizes.join(",")});
     if (points.length < 2) {
       chart.appendChild(svg("text", {x: left, y: height / 2, class: "axis"}, "no resize yet"));
       return chart;
@@ -504,18 +542,19 @@
     for (const [name, value] of summaryItems(view, now)) {
       items.push(el("dt", {}, name), el("dd", {}, value));
     }
-    parts.summary.replaceChildren(...items);
-    parts.links.replaceChildren();
+    morphChildren(parts.summary, items);
+    const links = [];
     const dashboard = uiConfig && safeHttpUrl(uiConfig.grafana_dashboard_url);
     if (dashboard) {
       const url = new URL(dashboard);
       url.searchParams.set("var-job_id", view.job_id);
-      parts.links.appendChild(el("a", {href: url.href, target: "_blank", rel: "noopener noreferrer",
+      links.push(el("a", {href: url.href, target: "_blank", rel: "noopener noreferrer",
                                        id: "grafana-link"}, "Grafana dashboard"));
     } else {
-      parts.links.appendChild(el("span", {class: "muted"},
+      links.push(el("span", {class: "muted"},
         "No Grafana configured (tidal coordinator --grafana-url)."));
     }
+    morphChildren(parts.links, links);
   }
 
   function renderError(parts, view) {
@@ -534,7 +573,7 @@
       }
     }
     parts.error.className = view.error ? "error-box" : (problems.length ? "note-box" : "");
-    parts.error.replaceChildren(...problems);
+    morphChildren(parts.error, problems);
   }
 
   function renderEvents(parts, events, now) {
@@ -552,7 +591,7 @@
         el("td", {class: "num recovery"}, recovery),
         el("td", {class: "num steps-lost"}, lost));
     });
-    parts.events.replaceChildren(...rows);
+    morphChildren(parts.events, rows);
   }
 
   function renderJobNodes(parts, view) {
@@ -560,8 +599,8 @@
       el("td", {}, node.node_id), el("td", {}, node.state),
       el("td", {}, node.ranks.length ? node.ranks.join(", ") : "—"),
       el("td", {class: "num"}, dash(node.last_step)), el("td", {class: "num"}, node.restart_count)));
-    parts.nodes.replaceChildren(...(rows.length ? rows
-      : [el("tr", {}, el("td", {colspan: 5, class: "muted"}, "No node holds this job now."))]));
+    morphChildren(parts.nodes, rows.length ? rows
+      : [el("tr", {}, el("td", {colspan: 5, class: "muted"}, "No node holds this job now."))]);
   }
 
   async function renderJob(jobId) {
@@ -586,7 +625,7 @@
       noteStep(view, now);
       renderSummary(page.parts, view, now);
       renderError(page.parts, view);
-      page.parts.chart.replaceChildren(worldSizeChart(worldSizeSeries(events.events, view, now)));
+      morphChildren(page.parts.chart, [worldSizeChart(worldSizeSeries(events.events, view, now))]);
       renderEvents(page.parts, events.events, now);
       renderJobNodes(page.parts, view);
     };
