@@ -5,7 +5,8 @@ the environment they were started with.
 
 * two jobs of 2 GPUs on one 4-GPU node run side by side with disjoint
   ``CUDA_VISIBLE_DEVICES`` (each worker sees its job's pair); a third waits;
-  the API shows each job's devices;
+  the API shows each job's devices; a job restarted with new bounds keeps its
+  devices;
 * a GPU that fails under a job (the inventory file rewritten) is taken out of
   the node's offer and the job loses the node as if it died: it comes back on
   healthy devices only, and ``tidal nodes`` says why the GPU is out.
@@ -35,7 +36,9 @@ WORKER = """
 import json, os, pathlib, sys, time
 keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "TIDAL_JOB_ID")
 out = pathlib.Path(sys.argv[1]) / f"{os.environ['TIDAL_JOB_ID']}-{os.getpid()}.json"
-out.write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+tmp = out.with_suffix(".tmp")
+tmp.write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+os.replace(tmp, out)  # never read half-written
 time.sleep(600)
 """
 
@@ -63,10 +66,7 @@ def submit(api: httpx.Client, tmp_path: Path, name: str, gpus: int) -> str:
 def worker_envs(tmp_path: Path, job_id: str) -> list[dict[str, Any]]:
     envs = []
     for path in sorted((tmp_path / "env").glob(f"{job_id}-*.json")):
-        try:
-            envs.append(json.loads(path.read_text()))
-        except ValueError:  # being written
-            continue
+        envs.append(json.loads(path.read_text()))
     return envs
 
 
@@ -123,6 +123,18 @@ def test_two_jobs_on_one_node_get_disjoint_devices(
     nodes = api.get("/v1/nodes").json()
     assert nodes[0]["gpus_used"] == 4 and sorted(nodes[0]["jobs"]) == sorted([a, b])
     assert job_view(api, c)["phase"] == "PENDING"
+
+    # New bounds: a new generation of a's runner on the same node keeps a's devices.
+    before = {p.name for p in (tmp_path / "env").iterdir()}
+    assert api.patch(f"/v1/jobs/{a}", json={"max_nodes": 2}).status_code == 200
+
+    def restarted() -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in (tmp_path / "env").glob(f"{a}-*.json")
+                if p.name not in before]
+
+    wait_for(lambda: len(restarted()) == 2, timeout=180, what=f"{a}'s workers to restart")
+    again = {e["CUDA_VISIBLE_DEVICES"] for e in restarted()}
+    assert again == {",".join(map(str, sorted(seen[a])))}, f"{a} moved: {again} vs {seen[a]}"
 
 
 @pytest.mark.slow
