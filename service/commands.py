@@ -6,7 +6,7 @@
                  [--workdir D] [--checkpoint-dir D] [--env K=V ...] [--label K=V ...]
                  [--max-restarts N] [--priority P] [--grace-period S]
                  [--global-batch-size B] [--lr-rule none|linear|sqrt]
-                 [--no-wait | --timeout S] [-- COMMAND [ARG ...]]
+                 [--no-wait | --timeout S] [--no-logs] [-- COMMAND [ARG ...]]
     tidal jobs    [--phase P] [--limit N | --all] [--json]
     tidal status  JOB [--watch [--timeout S]] [--json]
     tidal events  JOB [--json]
@@ -54,6 +54,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,18 +85,17 @@ from service.client import (
     POLL_INTERVAL_S,
     ApiError,
     Client,
-    ClusterFile,
     InvalidSpecError,
-    NotConfiguredError,
-    TargetError,
     WaitTimeoutError,
     build_spec,
     default_name,
-    load_cluster,
 )
-from service.client import default_state_dir as _default_state_dir
+from service.follow import FollowConsole, LogStreamer, StepRate, parse_log_line, progress_of
 from service.jobfile import JobFileError, job_fields
 from service.models import JobEvent, JobPhase, JobView
+
+# Seconds a follower waits, once the job ended, for the last of its logs.
+LOGS_DRAIN_S = 30.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -177,19 +177,34 @@ class _Follower:
             time.sleep(POLL_INTERVAL_S)
 
 
-def _follow_human(client: Client, job_id: str, *, timeout_s: float | None) -> int:
-    """Print the job's events as they come, then its outcome; the exit code for it."""
+def _follow_human(client: Client, job_id: str, *, timeout_s: float | None,
+                  logs: bool = False) -> int:
+    """Print the job's events as they come, its progress (service.follow: a bar on a
+    terminal, a plain line now and then elsewhere) and, with ``logs``, its workers'
+    output streamed from the coordinator; then its outcome. Returns the exit code."""
+    console = FollowConsole.for_stdout()
+    streamer = LogStreamer(client, job_id, console).start() if logs else None
+    rate = StepRate()
 
-    def show(_: JobView, events: list[JobEvent]) -> None:
+    def show(view: JobView, events: list[JobEvent]) -> None:
         for event in events:
-            click.echo(event_line(event))
+            console.line(event_line(event))
+        rate.observe(time.monotonic(), view.last_step)
+        console.progress(progress_of(view, now=datetime.now(timezone.utc),
+                                     steps_per_second=rate.steps_per_second()))
 
     try:
         view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
+        if streamer is not None and not streamer.join(LOGS_DRAIN_S):
+            console.line(f"warning: the job's last output did not come within "
+                         f"{LOGS_DRAIN_S:g} s; `tidal logs {job_id}` reads it", err=True)
     except KeyboardInterrupt:
+        console.finish()
         click.echo(f"\nstopped following job {job_id}; it goes on "
                    f"(`tidal cancel {job_id}` stops it)", err=True)
         return EXIT_INTERRUPTED
+    finally:
+        console.finish()
     took = ""
     if view.started_at and view.finished_at:
         took = f" after {(view.finished_at - view.started_at).total_seconds():.1f} s"
@@ -307,6 +322,9 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
                    "return at once instead of following the job.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=None, help="Stop following after this many seconds (exit 7).")
+@click.option("--no-logs", is_flag=True,
+              help="While following, do not print the workers' output (by default it is "
+                   "streamed from the coordinator, each line prefixed [NODE rRANK]).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job's JSON (JobView); while following, one JSON line "
@@ -318,7 +336,8 @@ def submit_command(
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
     labels: tuple[str, ...], max_restarts: int | None, priority: int | None, queue: str | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
-    no_wait: bool, timeout_s: float | None, command: tuple[str, ...], as_json: bool,
+    no_wait: bool, timeout_s: float | None, no_logs: bool, command: tuple[str, ...],
+    as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
     """Submit a job running COMMAND on every worker, then follow it to its end.
@@ -377,7 +396,7 @@ def submit_command(
             return
         click.echo(f"submitted job {view.job_id} ({bounds(view)} node(s) x "
                    f"{spec.nproc_per_node} worker(s)); following it, Ctrl-C to stop")
-        code = _follow_human(client, view.job_id, timeout_s=timeout_s)
+        code = _follow_human(client, view.job_id, timeout_s=timeout_s, logs=not no_logs)
     if code != EXIT_OK:
         raise click.exceptions.Exit(code)
 
@@ -577,241 +596,43 @@ def undrain_command(
 
 # logs ----------------------------------------------------------------------------------
 
-_STREAMS = ("stdout", "stderr")
 
-
-@dataclass(frozen=True)
-class LogFile:
-    """One worker's stdout or stderr of one attempt, in an agent's run directory.
-
-    The agent keeps ``RUN_DIR/jobs/JOB/gen-G/logs/<run>/attempt_K/<local_rank>/
-    stdout.log``: ``rank`` here is the local rank (the worker's index on its node).
-    """
-
-    node_id: str
-    generation: int
-    run_mtime: float
-    run: str
-    attempt: int
-    rank: int
-    stream: str
-    path: Path
-
-    @property
-    def group(self) -> tuple[str, int, str, int]:
-        return (self.node_id, self.generation, self.run, self.attempt)
-
-    def sort_key(self) -> tuple[Any, ...]:
-        return (self.node_id, self.generation, self.run_mtime, self.run, self.attempt,
-                self.rank, _STREAMS.index(self.stream))
-
-
-def _number(name: str, prefix: str) -> int | None:
-    rest = name[len(prefix):] if name.startswith(prefix) else ""
-    return int(rest) if rest.isdigit() else None
-
-
-def find_log_files(
-    cluster: ClusterFile, job_id: str, *, node: str | None = None, rank: int | None = None
-) -> list[LogFile]:
-    """Every worker log file of ``job_id`` in the cluster's run directories, in order."""
-    found = []
-    for agent in cluster.agents:
-        if node is not None and agent.node_id != node:
-            continue
-        for gen_dir in (agent.run_dir / "jobs" / job_id).glob("gen-*"):
-            generation = _number(gen_dir.name, "gen-")
-            if generation is None:
-                continue
-            for run_dir in (gen_dir / "logs").glob("*"):
-                try:
-                    run_mtime = run_dir.stat().st_mtime
-                except OSError:
-                    continue
-                for path in run_dir.glob("attempt_*/*/*.log"):
-                    attempt = _number(path.parent.parent.name, "attempt_")
-                    local = _number(path.parent.name, "")
-                    stream = path.stem
-                    if attempt is None or local is None or stream not in _STREAMS:
-                        continue
-                    if rank is not None and local != rank:
-                        continue
-                    found.append(LogFile(agent.node_id, generation, run_mtime, run_dir.name,
-                                         attempt, local, stream, path))
-    return sorted(found, key=LogFile.sort_key)
-
-
-def tail_offset(path: Path, lines: int, *, block: int = 65536) -> int:
-    """The byte offset where the last ``lines`` lines of ``path`` start.
-
-    Reads backwards a block at a time, so a large log costs only its tail.
-    """
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        if lines <= 0 or end == 0:
-            return end
-        f.seek(end - 1)
-        # A final newline ends the last line; it does not start another one.
-        pos = end - 1 if f.read(1) == b"\n" else end
-        needed = lines
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            idx = len(chunk)
-            while (idx := chunk.rfind(b"\n", 0, idx)) >= 0:
-                needed -= 1
-                if needed == 0:
-                    return start + idx + 1
-            pos = start
-        return 0
-
-
-@dataclass
-class _Reader:
-    file: LogFile
-    offset: int
-    partial: bytes = b""
-
-
-class LogPrinter:
-    """Prints new lines of a changing set of log files, prefixed ``[node/rank]``.
-
-    Lines of a worker's stdout go to stdout and of its stderr to stderr (as
-    ``docker logs`` does); with ``as_json``, every line is a JSON object on
-    stdout. A header marks a node's move to a new attempt or generation.
-    """
-
-    def __init__(self, *, tail: int | None, as_json: bool) -> None:
-        self.tail = tail
-        self.as_json = as_json
-        self.readers: dict[Path, _Reader] = {}
-        self.last_group: dict[str, tuple[str, int, str, int]] = {}
-        self.first_scan = True
-
-    def scan(self, files: Sequence[LogFile], *, final: bool) -> None:
-        groups: dict[str, set[tuple[str, int, str, int]]] = {}
-        for f in files:
-            groups.setdefault(f.node_id, set()).add(f.group)
-        for f in files:
-            reader = self.readers.get(f.path)
-            if reader is None:
-                # Files there from the start honour --tail; later ones are new: all of it.
-                start = 0
-                if self.first_scan and self.tail is not None:
-                    try:
-                        start = tail_offset(f.path, self.tail)
-                    except OSError:
-                        continue
-                reader = self.readers[f.path] = _Reader(f, start)
-            self._drain(reader, several=len(groups[f.node_id]) > 1, final=final)
-        self.first_scan = False
-
-    def _drain(self, reader: _Reader, *, several: bool, final: bool) -> None:
-        try:
-            with open(reader.file.path, "rb") as fh:
-                fh.seek(reader.offset)
-                data = fh.read()
-        except OSError:
-            return
-        reader.offset += len(data)
-        data = reader.partial + data
-        lines = data.split(b"\n")
-        reader.partial = lines.pop()
-        if final and reader.partial:
-            lines.append(reader.partial)
-            reader.partial = b""
-        if not lines:
-            return
-        f = reader.file
-        if not self.as_json and self.last_group.get(f.node_id) != f.group and (
-            several or f.node_id in self.last_group
-        ):
-            click.echo(f"==> {f.node_id}: generation {f.generation}, attempt {f.attempt} <==")
-        self.last_group[f.node_id] = f.group
-        for raw in lines:
-            text = raw.decode("utf-8", errors="replace").rstrip("\r")
-            if self.as_json:
-                click.echo(json.dumps({
-                    "node": f.node_id, "rank": f.rank, "generation": f.generation,
-                    "attempt": f.attempt, "stream": f.stream, "line": text,
-                }))
-            else:
-                click.echo(f"[{f.node_id}/{f.rank}] {text}", err=f.stream == "stderr")
-
-
-def _local_cluster(state_dir: Path | None) -> ClusterFile:
-    state = state_dir if state_dir is not None else _default_state_dir()
-    try:
-        cluster = load_cluster(state)
-    except TargetError as exc:
-        raise NotConfiguredError(str(exc)) from None
-    if cluster is None:
-        raise NotConfiguredError(
-            f"`tidal logs` reads the agents' run directories of a local cluster started with "
-            f"`tidal up`, and there is no cluster file at {state / 'cluster.json'} "
-            "(pass --state-dir or set TIDAL_HOME); on other clusters, read the logs "
-            "on each node under its agent's --run-dir")
-    return cluster
+def _optional_node_id(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else _check_id(value, what="node id")
 
 
 @click.command("logs")
 @click.argument("job", callback=_job_id)
-@click.option("--node", default=None, help="Only this node's workers.")
+@click.option("--node", default=None, callback=_optional_node_id,
+              help="Only this node's workers.")
 @click.option("--rank", type=click.IntRange(0), default=None,
               help="Only this local rank (the worker's index on its node).")
 @click.option("--tail", type=click.IntRange(0), default=None,
-              help="Only the last N lines of each worker's output.")
+              help="Only the last N lines of each worker's newest attempt.")
 @click.option("-f", "--follow", is_flag=True,
               help="Keep printing new lines until the job ends (or Ctrl-C).")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per line: node, rank, generation, attempt, stream, line.")
+              help="One JSON object per line: node, rank and line (or tidal: a message "
+                   "of the coordinator's).")
 @target_options
 def logs_command(
     job: str, node: str | None, rank: int | None, tail: int | None, follow: bool,
     as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
-    """Print the workers' output of JOB, each line prefixed [node/rank].
+    """Print the workers' output of JOB, each line prefixed [NODE rRANK].
 
-    LOCAL CLUSTERS ONLY: reads the agents' run directories listed in the
-    cluster file `tidal up` writes (STATE_DIR/cluster.json). The agents keep
-    one file per worker and attempt, without prefixes; RANK is the local rank
-    (a worker's index on its node). A worker's stdout is printed on stdout,
-    its stderr on stderr; every attempt is shown, oldest first, with a header
-    where a node moved to a new one.
+    Works from any machine that reaches the coordinator: it reads the logs
+    from the nodes' agents. RANK is the local rank (a worker's index on its
+    node); every attempt is shown, oldest first, one node after the other
+    (with -f, interleaved as they come). Lines starting [tidal] are the
+    coordinator's: a node that is gone, a node starting a new attempt.
     """
-    cluster = _local_cluster(state_dir)
-    known = [a.node_id for a in cluster.agents]
-    if node is not None and node not in known:
-        raise click.BadParameter(
-            f"node {node!r} is not in the cluster file (its nodes: {', '.join(known) or 'none'})",
-            param_hint="--node")
-    printer = LogPrinter(tail=tail, as_json=as_json)
-    files = find_log_files(cluster, job, node=node, rank=rank)
-    if not follow:
-        if files:
-            printer.scan(files, final=True)
-            return
-        with connect(url, token, state_dir) as client:
-            view = client.get_job(job)  # 404 (exit 4) for a job that does not exist
-        which = (f" of local rank {rank}" if rank is not None else "") + (
-            f" on node {node}" if node is not None else "")
-        click.echo(f"no worker output{which} of job {job} in the run directories of "
-                   f"{', '.join(known) or 'no node'} (the job is {view.phase.value})", err=True)
-        return
-    try:
-        with connect(url, token, state_dir) as client:
-            follower = _Follower(client, job, with_events=False)
-            while True:
-                got = follower.poll()
-                ended = got is not None and got[0].phase.is_terminal()
-                # Read after the phase: a job that ended has written all its output.
-                printer.scan(find_log_files(cluster, job, node=node, rank=rank), final=ended)
-                if ended:
-                    return
-                time.sleep(POLL_INTERVAL_S)
-    except KeyboardInterrupt:
-        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    with connect(url, token, state_dir) as client:
+        try:
+            for line in client.logs(job, node=node, rank=rank, tail=tail, follow=follow):
+                click.echo(json.dumps(parse_log_line(line)) if as_json else line)
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
 COMMANDS: tuple[click.Command, ...] = (
