@@ -180,6 +180,7 @@ class TidalElasticAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         broken = self._stop_timeout_s <= FAILED_STOP_TIMEOUT_S
+        log.info("stopping the %s worker group", "broken" if broken else "healthy")
         if broken and self._progress_dir is not None and self._await_jit_saves():
             # Every worker that could save has saved: nothing is left to lose.
             self._shutdown(death_sig=signal.SIGKILL, timeout=1)
