@@ -332,6 +332,7 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int, device: torch
         optimizer=optimizer,
         scheduler=scheduler,
         every_steps=args.every_steps,
+        total_steps=args.total_steps,  # tidal submit / status --watch show the time left
     )
     resume = ckpt.restore()
     # A peer that dies mid-collective would hold NCCL for the group's timeout:

@@ -160,3 +160,23 @@ def test_the_nodes_of_a_job_are_those_assigned_reporting_or_named_by_an_event() 
                        message="", nodes=["a", "b"])]
     assert nodes_of_job(record, [], events) == ["a", "b", "c"]
     assert nodes_of_job(record, [], []) == ["c"]
+
+
+def test_the_api_shows_the_progress_of_the_nodes_in_force() -> None:
+    from rendezvous.records import JobNodeState, JobNodeStatus
+    from service.app import progress_fields
+
+    def status(node: str, **fields: Any) -> JobNodeStatus:
+        return JobNodeStatus(job_id="t-0123abcd", node_id=node, state=JobNodeState.RUNNING,
+                             **fields)
+
+    a = status("a", samples_per_second=800.0, loss=2.0, total_steps=100,
+               last_checkpoint_time=NOW.timestamp() - 10)
+    b = status("b", samples_per_second=810.0, loss=3.0, last_checkpoint_time=NOW.timestamp())
+    gone = status("c", samples_per_second=9999.0, loss=99.0,
+                  last_checkpoint_time=NOW.timestamp() + 5)
+    fields = progress_fields({"a": a, "b": b}, {"a": a, "b": b, "c": gone})
+    assert fields == {"samples_per_second": 810.0, "loss": 2.5, "total_steps": 100,
+                      "last_checkpoint_at": NOW + timedelta(seconds=5)}
+    assert progress_fields({}, {}) == {"samples_per_second": None, "loss": None,
+                                       "total_steps": None, "last_checkpoint_at": None}
