@@ -289,7 +289,8 @@ class NvmlInventory:
             links[index] = peers
         if not any(links.values()):
             return {}
-        parent = list(range(count))
+        switch = count  # every GPU linked to an NVSwitch (a peer that is no GPU) is one island
+        parent = list(range(count + 1))
 
         def root(i: int) -> int:
             while parent[i] != i:
@@ -299,10 +300,8 @@ class NvmlInventory:
 
         for index, peers in links.items():
             for bus in peers:
-                other = bus_to_index.get(bus)
-                if other is not None:  # an NVSwitch's bus is no GPU: skipped
-                    a, b = root(index), root(other)
-                    parent[max(a, b)] = min(a, b)
+                a, b = root(index), root(bus_to_index.get(bus, switch))
+                parent[max(a, b)] = min(a, b)  # the lowest GPU index names the island
         return {i: str(root(i)) for i in range(count)}
 
     # each poll -------------------------------------------------------------------
