@@ -348,6 +348,8 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
     wait_for(resized, timeout=120, what="the page at world size 1 with the resize's recovery")
     assert chart_steps(driver) == [*chart_before, 1]
     wait_for(lambda: summary(driver).get("Step", "—") != "—", timeout=60, what="steps again")
+    wait_for(lambda: summary(driver).get("Throughput", "—") != "—", timeout=60,
+             what="the throughput measured again")
     if with_logs:
         wait_for(lambda: "of 1" in text_of(driver, "#logs"), timeout=60,
                  what="logs from world size 1")
