@@ -604,7 +604,15 @@
   }
 
   async function renderJob(jobId) {
-    if (uiConfig === null) uiConfig = await api("ui/config");
+    if (uiConfig === null) {
+      try {
+        uiConfig = await api("ui/config");
+      } catch (err) {
+        // A token scoped to queues may be refused it: the page goes on without Grafana.
+        if (!(err instanceof ApiError && err.status === 403)) throw err;
+        uiConfig = {};
+      }
+    }
     const path = "jobs/" + encodeURIComponent(jobId);
     let view, events;
     try {
