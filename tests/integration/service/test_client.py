@@ -78,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer
         agents = AgentCluster(etcd_endpoint=etcd_server.endpoint, etcd_root=root,
                               workdir=workdir / "agents", procs=procs)
         agents.workdir.mkdir()
-        agents.start_agent("a")
+        agents.start_agent("a", extra=("--slots", "2"))  # the sweep's two jobs at once
         both = Cluster(coordinator, agents)
         with Client(coordinator.url, TOKEN) as client:
             wait_for(client.nodes, timeout=60, what="agent a registered")
@@ -191,6 +191,7 @@ def _example(name: str, *args: str, env: dict[str, str]) -> subprocess.Completed
     )
 
 
+@pytest.mark.slow  # two example runs and three jobs, each a Python process started by a runner
 def test_the_examples_submit_wait_and_print_logs(cluster: Cluster) -> None:
     env = cluster.env()
     result = _example("client_submit.py", env=env)
@@ -198,11 +199,6 @@ def test_the_examples_submit_wait_and_print_logs(cluster: Cluster) -> None:
     out = result.stdout
     assert "[a r0] hello from rank 0 of 1" in out.splitlines(), out
     assert out.splitlines()[-1].endswith(" SUCCEEDED"), out
-
-    failing = _example("client_submit.py", "--name", "boom", "--", "python", "-c",
-                       "import sys; sys.exit(3)", env=env)
-    assert failing.returncode == EXIT_JOB_FAILED, failing
-    assert failing.stderr.startswith("error: job boom-") and "FAILED" in failing.stderr
 
     sweep = _example("client_async.py", "--values", "x", "y", env=env)
     assert sweep.returncode == 0, f"{sweep}\n{cluster.agents.log_tails()}"
