@@ -262,3 +262,25 @@ def test_a_client_without_a_url_anywhere_is_not_configured(tmp_path: Any,
     assert c.value.exit_code == EXIT_NOT_CONFIGURED
     with pytest.raises(ValueError, match="phase 'runing' is not one of"):
         _client(_answer(200, {"jobs": []})).list(phase="runing")
+
+
+def test_logs_come_a_line_at_a_time_without_the_keepalive_lines_and_with_the_query() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, text="[a r0] one\n\n[a r0] two\r\n[tidal] node b is gone\n")
+
+    want = ["[a r0] one", "[a r0] two", "[tidal] node b is gone"]
+    with _client(handler) as client:
+        assert list(client.logs("j", node="a", rank=0, tail=5, follow=True)) == want
+
+    async def run() -> list[str]:
+        async with AsyncClient(URL, "t", transport=httpx.MockTransport(handler)) as client:
+            return [line async for line in client.logs("j", node="a", rank=0, tail=5,
+                                                        follow=True)]
+
+    assert asyncio.run(run()) == want
+    assert seen[0].url.params == seen[1].url.params == httpx.QueryParams(
+        node="a", rank="0", tail="5", follow="true")
+    assert seen[1].headers["accept"] == "text/plain"
