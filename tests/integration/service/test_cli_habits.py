@@ -34,6 +34,15 @@ def test_submit_no_wait_prints_the_id_and_how_to_follow_read_and_stop_the_job(
     assert view["phase"] == "PENDING" and view["job_id"].startswith("as-json-")
     cancelled = json.loads(ok(tidal("cancel", view["job_id"], "--json", env=env)))
     assert cancelled["cancel_requested"] is True
+
+    # Followed with --json: one JSON line per change (no agent here: it waits, then --timeout).
+    followed = tidal("submit", "--json", "--timeout", "1", "--name", "followed", "--", *LONG,
+                     env=env)
+    assert followed.returncode == 7, followed
+    first = json.loads(followed.stdout.splitlines()[0])
+    assert first["phase"] == "PENDING" and first["job_id"].startswith("followed-")
+    assert followed.stderr.startswith(f"error: job {first['job_id']} did not finish"), followed
+    ok(tidal("cancel", first["job_id"], env=env))
     wait_for(lambda: coordinator.get(f"/v1/jobs/{view['job_id']}")["phase"] == "CANCELLED",
              timeout=30, what="the JSON job CANCELLED")
 
