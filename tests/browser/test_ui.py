@@ -196,7 +196,7 @@ def screenshot(driver: Any, name: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_sign_in_refuses_a_wrong_token_then_shows_jobs_as_they_appear(
-    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
+    tmp_path: Path, browser: Any, cluster: tuple[CoordinatorProcess, AgentCluster]
 ):
     api = cluster[0].client()
     job_ids: list[str] = []
@@ -289,7 +289,7 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_a_resize_shows_on_the_job_page_with_its_recovery_and_logs(
-    cluster: tuple[CoordinatorProcess, AgentCluster], browser: Any
+    browser: Any, cluster: tuple[CoordinatorProcess, AgentCluster]
 ):
     api = cluster[0].client()
     job_ids: list[str] = []
