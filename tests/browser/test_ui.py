@@ -271,6 +271,10 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
     )
     assert durations == [[2, {"seconds": 3.5, "ongoing": False}],
                          [4, {"seconds": 2, "ongoing": True}]]
+    goodput = driver.execute_script(
+        "return [window.tidalUi.goodputText({goodput: 0.9712, lost_seconds: {restart: 9,"
+        " detection: 1, redone: 2, checkpoint_stall: 0.01}}), window.tidalUi.goodputText({})];")
+    assert goodput == ["97.1% (lost 12.0 s: detection 1.0, redone 2.0, restart 9.0)", "—"]
 
     click(driver, "#nav a[href='#/nodes']")
     wait_for(lambda: shown(driver, "#nodes tr[data-node='g']"), timeout=30, what="node g's row")
