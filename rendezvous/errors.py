@@ -1,9 +1,9 @@
 """The errors of everything that talks to etcd.
 
-pyetcd and gRPC raise a zoo of exceptions (pyetcd's own classes for a few gRPC
-codes, a bare ``grpc.RpcError`` for the rest). They are translated once, at the
-boundary in :mod:`rendezvous.client`, into this small hierarchy, so callers
-catch ``EtcdError`` and its subclasses and never import pyetcd or grpc.
+A failed etcd call raises a ``grpc.RpcError`` with a status code and details.
+It is translated once, at the boundary (:mod:`rendezvous.etcd.translate`), into
+this small hierarchy, so callers catch ``EtcdError`` and its subclasses and
+never import pyetcd or grpc.
 """
 
 from __future__ import annotations
