@@ -53,6 +53,15 @@ def cluster(
         yield both
 
 
+@pytest.fixture(autouse=True)
+def log_tails_on_failure(cluster: tuple[CoordinatorProcess, AgentCluster]) -> Iterator[None]:
+    """The coordinator's and agents' log tails, which pytest shows when the test fails
+    (the with block above sees no exception from a test body)."""
+    yield
+    coordinator, agents = cluster
+    print(coordinator.log_tail(), agents.log_tails(80), sep="\n")
+
+
 def submit(api: httpx.Client, tmp_path: Path, name: str, gpus: int) -> str:
     out = tmp_path / "env"
     out.mkdir(exist_ok=True)
