@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
@@ -44,6 +44,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from agent.status import (
+    GOODPUT_CAUSES,
     RUNNER_METRICS_FILE,
     HistogramData,
     ProgressSummary,
@@ -90,6 +91,8 @@ class _JobTotals:
     recovery: dict[str, HistogramData]
     calls: dict[str, tuple[int, int, HistogramData]]  # call -> (success, failure, durations)
     values: dict[str, float]
+    productive: float = 0.0
+    lost: dict[str, float] = field(default_factory=dict)
 
 
 def _add_histogram(into: dict[str, HistogramData], key: str, hist: HistogramData) -> None:
@@ -123,6 +126,9 @@ def sum_runner_metrics(files: Iterable[RunnerMetrics]) -> _JobTotals:
                 log.warning("metrics: not adding %s durations: %s", name, exc)
             totals.calls[name] = (success + call.success, failure + call.failure, durations)
         totals.values.update(data.elastic_values)
+        totals.productive += data.productive_seconds
+        for cause, seconds in data.lost_seconds.items():
+            totals.lost[cause] = totals.lost.get(cause, 0.0) + seconds
     return totals
 
 
@@ -218,12 +224,21 @@ class _Families:
             "tidal_agent_elastic_metric",
             "The last value of each other torch elastic metric (put_metric).",
             labels=["job_id", "name"])
+        self.productive = CounterMetricFamily(
+            "tidal_agent_job_productive_seconds",
+            "Seconds this node's workers trained productively (steps kept, checkpoint "
+            "stalls and steps redone left out); goodput = productive / (productive + lost).",
+            labels=job)
+        self.lost = CounterMetricFamily(
+            "tidal_agent_job_lost_seconds",
+            "Seconds of this node's training lost, by cause: detection, rendezvous, restart, "
+            "redone (steps done again), checkpoint_stall.", labels=["job_id", "cause"])
 
     def all(self) -> list[Metric]:
         return [self.info, self.world, self.state, self.restarts, self.exits, self.recovery,
                 self.step, self.ckpt_step, self.ckpt_time, self.save, self.stall,
                 self.save_failing, self.rate, self.loss, self.progress_time, self.exit_code,
-                self.calls, self.call_seconds, self.values]
+                self.calls, self.call_seconds, self.values, self.productive, self.lost]
 
 
 class JobStatusCollector(Collector):
@@ -329,6 +344,10 @@ class JobStatusCollector(Collector):
                 fam.call_seconds.add_metric([job_id, call], durations.cumulative(), durations.sum)
         for name, value in sorted(totals.values.items()):
             fam.values.add_metric([job_id, name], value)
+        fam.productive.add_metric([job_id], totals.productive)
+        lost = dict.fromkeys(GOODPUT_CAUSES, 0.0) | totals.lost
+        for cause, seconds in sorted(lost.items()):
+            fam.lost.add_metric([job_id, cause], seconds)
 
     def _add_progress(self, fam: _Families, job_id: str, s: ProgressSummary) -> None:
         job = [job_id]

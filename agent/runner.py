@@ -178,6 +178,13 @@ class TidalElasticAgent(LocalElasticAgent):
         self._grace_s = float(kwargs.get("shutdown_timeout", 30))
         self._stop_timeout_s = self._grace_s
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
+        try:
+            super()._rendezvous(worker_group)
+        finally:
+            self._reporter.rendezvous_done(time.monotonic() - started)
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         broken = self._stop_timeout_s <= FAILED_STOP_TIMEOUT_S
         log.info("stopping the %s worker group", "broken" if broken else "healthy")
@@ -220,7 +227,6 @@ class TidalElasticAgent(LocalElasticAgent):
         states = ", ".join(f"rank {r} {rep.state} step {rep.step}"
                            for r, rep in sorted(reports.items()))
         log.info("waited %.2f s for just-in-time saves (%s)", waited, states)
-        self._reporter.jit_wait(waited)
         return any(r.state == DONE for r in reports.values()) and all(
             r.finished or not _alive(r.pid) for r in reports.values()
         )

@@ -419,11 +419,11 @@ class RunnerMetricsRecorder:
             self._version += 1
 
     def add_productive(self, seconds: float) -> None:
-        """Count ``seconds`` of productive training."""
-        if seconds <= 0:
+        """Count ``seconds`` of productive training (negative: take back steps redone)."""
+        if seconds == 0:
             return
         with self._lock:
-            self._data.productive_seconds += seconds
+            self._data.productive_seconds = max(0.0, self._data.productive_seconds + seconds)
             self._version += 1
 
     def observe_recovery(self, reason: str, seconds: float) -> None:
@@ -481,6 +481,74 @@ class _Recovery:
     started: float  # Unix time the runner noticed the failure or membership change
     baseline: int  # restart count of the workers that were running then
     reason: str | None = None  # set by the restart it leads to
+    before: RoundSpan | None = None  # the round that was running then
+    rendezvous_s: float = 0.0  # spent in rendezvous since
+
+
+# goodput ------------------------------------------------------------------------------
+
+#: Why training time was lost (docs/checkpoints.md, "Goodput").
+GOODPUT_CAUSES = ("detection", "rendezvous", "restart", "redone", "checkpoint_stall")
+
+
+@dataclass(frozen=True)
+class RoundSpan:
+    """One round of workers on this node, from their progress reports."""
+
+    first_step: int  # the first step a worker of the round completed (resume + 1)
+    last_step: int
+    first_time: float  # Unix time of that first step
+    last_time: float  # Unix time of the latest step
+    stall_s: float  # how long checkpoint saves blocked training in the round
+
+    @property
+    def step_seconds(self) -> float | None:
+        steps = self.last_step - self.first_step
+        return (self.last_time - self.first_time) / steps if steps > 0 else None
+
+    @property
+    def productive_s(self) -> float:
+        return max(0.0, self.last_time - self.first_time - self.stall_s)
+
+
+def round_span(reports: Iterable[Mapping[str, Any]], round_: int) -> RoundSpan | None:
+    """The span of round ``round_`` (a restart count) over its reports; None before a step."""
+    mine = [r for r in reports if _round(r) == round_]
+    def ints(key: str) -> list[int]:
+        return [v for r in mine if (v := _integer(r.get(key))) is not None]
+
+    def numbers(key: str) -> list[float]:
+        return [v for r in mine if (v := _number(r.get(key))) is not None]
+
+    firsts, lasts = ints("first_step"), ints("step")
+    first_times, last_times = numbers("first_step_time"), numbers("last_step_time")
+    stalls = numbers("stall_seconds_total")
+    if not (firsts and lasts and first_times and last_times):
+        return None
+    return RoundSpan(first_step=min(firsts), last_step=max(lasts), first_time=min(first_times),
+                     last_time=max(last_times), stall_s=max(stalls, default=0.0))
+
+
+def recovery_losses(
+    *, before: RoundSpan | None, after: RoundSpan, noticed: float, rendezvous_s: float
+) -> dict[str, float]:
+    """Seconds one recovery cost, by cause.
+
+    detection: from the last step completed before it to the runner noticing;
+    rendezvous: the rendezvous during it; restart: the rest until the new
+    workers' first step (stopping, the just-in-time save, starting, restoring);
+    redone: the steps the new workers do again (the last step completed before,
+    less the step they resumed from), at the old round's step time.
+    """
+    total = max(0.0, after.first_time - noticed)
+    rendezvous = min(max(0.0, rendezvous_s), total)
+    losses = {"rendezvous": rendezvous, "restart": total - rendezvous}
+    if before is not None:
+        redone = max(0, before.last_step - (after.first_step - 1))
+        step_s = before.step_seconds or after.step_seconds or 0.0
+        losses["detection"] = max(0.0, noticed - before.last_time)
+        losses["redone"] = redone * step_s
+    return losses
 
 
 class StatusReporter:
@@ -519,6 +587,8 @@ class StatusReporter:
         self._written: dict[str, Any] | None = None
         self._last_write = 0.0
         self._recovery: _Recovery | None = None
+        self._spans: dict[int, RoundSpan] = {}  # the rounds seen, by restart count
+        self._credited: dict[int, tuple[float, float]] = {}  # productive, stall counted
         self._metrics_written = -1
         seed = read_runner_metrics(metrics_path) if resume_metrics and metrics_path else None
         self.recorder = RunnerMetricsRecorder(
@@ -576,14 +646,19 @@ class StatusReporter:
         """
         with self._lock:
             if self._recovery is None:
-                self._recovery = _Recovery(started=time.time(), baseline=restart_count)
+                newest = max(self._spans, default=None)
+                self._recovery = _Recovery(
+                    started=time.time(), baseline=restart_count,
+                    before=None if newest is None else self._spans[newest],
+                )
             else:
                 self._recovery.baseline = max(self._recovery.baseline, restart_count)
 
-    def jit_wait(self, seconds: float) -> None:
-        """The runner waited this long for its workers' just-in-time saves."""
-        self.recorder.add_lost("jit_save_wait", seconds)
-        self._dirty.set()
+    def rendezvous_done(self, seconds: float) -> None:
+        """A rendezvous took ``seconds``; during a recovery it counts as lost to it."""
+        with self._lock:
+            if self._recovery is not None:
+                self._recovery.rendezvous_s += seconds
 
     def count_exits(self, codes: Iterable[int]) -> None:
         """Count worker processes that exited with these codes."""
@@ -611,6 +686,7 @@ class StatusReporter:
             if self._progress_dir is not None:
                 reports = read_progress_reports(self._progress_dir)
                 summary = summarize_progress(reports)
+                self._count_goodput(reports)
                 self._finish_recovery(reports)
                 progress = {"last_step": summary.step,
                             "last_checkpoint_step": summary.last_checkpoint_step,
@@ -623,6 +699,25 @@ class StatusReporter:
                     self._status = self._status.model_copy(update=changed)
             self._write()
             self._write_metrics()
+
+    def _count_goodput(self, reports: list[dict[str, Any]]) -> None:
+        """Credit each round's training time (less its checkpoint stalls) as it grows."""
+        for round_ in {_round(r) for r in reports}:
+            span = round_span(reports, round_)
+            if span is None:
+                continue
+            with self._lock:
+                self._spans[round_] = span
+            productive, stall = self._credited.get(round_, (0.0, 0.0))
+            self.recorder.add_productive(span.productive_s - productive)
+            self.recorder.add_lost("checkpoint_stall", span.stall_s - stall)
+            self._credited[round_] = (span.productive_s, span.stall_s)
+        data = self.recorder.snapshot()
+        with self._lock:
+            self._status = self._status.model_copy(update={
+                "productive_seconds": round(data.productive_seconds, 3),
+                "lost_seconds": {k: round(v, 3) for k, v in data.lost_seconds.items()},
+            })
 
     def _finish_recovery(self, reports: list[dict[str, Any]]) -> None:
         """End the pending recovery at the first step of the workers started for it."""
@@ -639,6 +734,15 @@ class StatusReporter:
                 return
             seconds = max(0.0, min(firsts) - recovery.started)
             self._recovery = None
+            after = round_span(reports, max(_round(r) for r in reports))
+        if after is not None:
+            losses = recovery_losses(before=recovery.before, after=after,
+                                     noticed=recovery.started, rendezvous_s=recovery.rendezvous_s)
+            for cause, lost in losses.items():
+                self.recorder.add_lost(cause, lost)
+            # The steps done again were counted as productive in the new round.
+            self.recorder.add_productive(-losses.get("redone", 0.0))
+        with self._lock:
             self._status = self._status.model_copy(update={"last_recovery_seconds": seconds})
         log.info("recovered from %s in %.2f s (first step of the new workers)",
                  recovery.reason, seconds)

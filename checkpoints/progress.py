@@ -63,6 +63,9 @@ PROGRESS_FIELDS = (
     "last_save_error",
     "stop_requested",
     "total_steps",
+    "first_step",
+    "last_step_time",
+    "stall_seconds_total",
 )
 
 
@@ -159,6 +162,12 @@ class FileProgressReporter(ProgressReporter):
         # When this process completed its first step: the agent measures a
         # recovery as "failure noticed -> first step of the new workers".
         self._first_step_time: float | None = None
+        # Goodput (agent.status): the first step this process completed (its
+        # resume step + 1), when it completed its latest, and how long its
+        # saves blocked training in all.
+        self._first_step: int | None = None
+        self._last_step_time: float | None = None
+        self._stall_total = 0.0
         self._loss: Any = None
         self._samples = 0
         self._window_start = time.monotonic()
@@ -176,8 +185,10 @@ class FileProgressReporter(ProgressReporter):
     def record(self, *, step: int, loss: Any = None, samples: int | None = None) -> None:
         """Remember this step; write the file if the interval has passed."""
         self._step = step
+        self._last_step_time = time.time()
         if self._first_step_time is None:
-            self._first_step_time = time.time()
+            self._first_step_time = self._last_step_time
+            self._first_step = step
         if loss is not None:
             self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         if samples:
@@ -194,6 +205,7 @@ class FileProgressReporter(ProgressReporter):
         self, *, step: int, wall_time: float, save_seconds: float, stall_seconds: float
     ) -> None:
         """Remember the committed checkpoint (written with the next report)."""
+        self._stall_total += max(0.0, stall_seconds)
         self._checkpoint = {
             "last_checkpoint_step": step,
             "last_checkpoint_time": wall_time,
@@ -235,6 +247,9 @@ class FileProgressReporter(ProgressReporter):
             last_save_error=self._error,
             stop_requested=self._stop,
             total_steps=self._total_steps,
+            first_step=self._first_step,
+            last_step_time=self._last_step_time,
+            stall_seconds_total=round(self._stall_total, 6),
         )
         body.update(self._checkpoint)
         return body

@@ -179,6 +179,10 @@ class JobNodeStatus(BaseModel):
     # Seconds from the last failure or membership change this node noticed to
     # the first step of the workers it then started (agent.status).
     last_recovery_seconds: float | None = Field(default=None, ge=0)
+    # Goodput on this node (agent.status, docs/checkpoints.md): seconds its workers
+    # trained productively in this generation, and seconds lost, by cause.
+    productive_seconds: float | None = Field(default=None, ge=0)
+    lost_seconds: dict[str, float] = Field(default_factory=dict, max_length=16)
     error: WorkerError | None = None
     pid: int = 0
     updated_at: datetime = Field(default_factory=utcnow)

@@ -236,6 +236,18 @@ def progress_fields(current: dict[str, JobNodeStatus], statuses: dict[str, JobNo
     }
 
 
+def goodput_fields(statuses: dict[str, JobNodeStatus]) -> dict[str, Any]:
+    """JobView's goodput: productive node-seconds over productive + lost, and the lost
+    node-seconds by cause, over the nodes' reports (docs/checkpoints.md)."""
+    productive = sum(st.productive_seconds or 0.0 for st in statuses.values())
+    lost: dict[str, float] = {}
+    for st in statuses.values():
+        for cause, seconds in st.lost_seconds.items():
+            lost[cause] = lost.get(cause, 0.0) + seconds
+    spent = productive + sum(lost.values())
+    return {"goodput": productive / spent if spent > 0 else None, "lost_seconds": lost}
+
+
 def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     """A job as the API shows it: the record joined with its nodes' reports."""
     current = statuses_in_force(record.nodes, statuses)  # record.nodes mirrors assignments
@@ -272,6 +284,7 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
         last_step=max(steps, default=None),
         last_checkpoint_step=max(ckpts, default=None),
         **progress_fields(current, statuses),
+        **goodput_fields(statuses),
         exit_reason=record.exit_reason,
         error=record.error,
         created_at=record.created_at,

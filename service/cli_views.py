@@ -48,6 +48,17 @@ def error_lines(view: JobView) -> list[str]:
     return lines
 
 
+def goodput_text(view: JobView) -> str | None:
+    """``97.1% (lost 12.0 s: detection 1.0, restart 9.0, redone 2.0)``; None before any step."""
+    if view.goodput is None:
+        return None
+    lost = {k: v for k, v in sorted(view.lost_seconds.items()) if v >= 0.05}
+    if not lost:
+        return f"{100 * view.goodput:.1f}%"
+    causes = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in lost.items())
+    return f"{100 * view.goodput:.1f}% (lost {sum(lost.values()):.1f} s: {causes})"
+
+
 def status_text(view: JobView) -> str:
     """``tidal status``: the job's labelled values, its nodes' table and its error."""
     spec = view.spec
@@ -68,6 +79,7 @@ def status_text(view: JobView) -> str:
                   + f"per node, world size {view.world_size}"),
         ("restarts", f"{restarts}, budget {spec.max_restarts}"),
         ("step", step),
+        ("goodput", goodput_text(view)),
         ("priority", spec.priority),
         ("created", clock(view.created_at)),
         ("started", clock(view.started_at) if view.started_at else None),

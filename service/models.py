@@ -489,6 +489,10 @@ class JobView(BaseModel):
     loss: float | None = None
     last_checkpoint_at: datetime | None = None
     total_steps: int | None = None
+    # Goodput over the nodes' current generations (docs/checkpoints.md): productive
+    # node-seconds / (productive + lost), and the node-seconds lost by cause.
+    goodput: float | None = None
+    lost_seconds: dict[str, float] = Field(default_factory=dict)
     exit_reason: ExitReason | None
     error: WorkerError | None
     created_at: datetime
