@@ -28,12 +28,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import anyio
 import httpx
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.params import Depends
 from fastapi.responses import StreamingResponse
@@ -261,6 +262,7 @@ class JobLogs:
                      after_generation=after, out=self.out, stop=self.stop)
 
     def __iter__(self) -> Iterator[bytes]:
+        """Encoded lines; an empty chunk now and then while there is nothing to send."""
         try:
             record, _ = self.store.get(self.request.job_id)
             if self.request.follow:
@@ -269,6 +271,24 @@ class JobLogs:
                 yield from self._once(record)
         except JobNotFoundError:
             yield self._encode(tidal_line(f"job {self.request.job_id} no longer exists"))
+        finally:
+            self.stop.set()
+
+    async def stream(self, gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+        """The lines for a response, each read in a worker thread (they wait on the
+        nodes' streams). ``gone`` tells whether the client went away; it is asked
+        whenever nothing came for a moment (an empty chunk from :meth:`__iter__`),
+        so that the nodes' streams close then, not when the job ends."""
+        lines = iter(self)
+        try:
+            while True:
+                chunk = await anyio.to_thread.run_sync(next, lines, None)
+                if chunk is None:
+                    return
+                if chunk:
+                    yield chunk
+                elif await gone():
+                    return
         finally:
             self.stop.set()
 
@@ -290,6 +310,7 @@ class JobLogs:
                 except queue.Empty:
                     if not pump.running and self.out.empty():
                         break
+                    yield b""  # nothing for now: the response checks on its client
                     continue
                 yield self._encode(str(item))
 
@@ -311,6 +332,8 @@ class JobLogs:
             elif now - last_sent >= KEEPALIVE_S:
                 last_sent = now
                 yield b"\n"
+            else:
+                yield b""  # nothing for now: the response checks on its client
             if now - last_check < CHECK_S:
                 continue
             last_check = now
@@ -357,6 +380,7 @@ def logs_router(*, store: JobStore, auth: Depends) -> APIRouter:
                                         "are the coordinator's."}},
     )
     def job_logs(
+        request: Request,
         job_id: Annotated[str, PathParam(pattern=ID_PATTERN, description="A job id.")],
         node: Annotated[str | None, Query(pattern=ID_PATTERN,
                                           description="Only this node's workers.")] = None,
@@ -371,7 +395,8 @@ def logs_router(*, store: JobStore, auth: Depends) -> APIRouter:
         store.get(job_id)  # 404 for an unknown job, before anything is streamed
         body = JobLogs(store, LogRequest(job_id=job_id, node=node, rank=rank, tail=tail,
                                          follow=follow))
-        return StreamingResponse(iter(body), media_type="text/plain; charset=utf-8",
+        return StreamingResponse(body.stream(request.is_disconnected),
+                                 media_type="text/plain; charset=utf-8",
                                  headers={"Cache-Control": "no-store",
                                           "X-Content-Type-Options": "nosniff"})
 

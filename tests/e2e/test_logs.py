@@ -176,6 +176,17 @@ PROGRESSING = (
 )
 
 
+def _established(port: int) -> int:
+    """How many TCP connections to ``port`` on this machine are established."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
 def _read_all(fd: int, into: list[bytes]) -> None:
     """Read a pty's master side until its slave side is closed everywhere."""
     while True:
@@ -190,6 +201,7 @@ def _read_all(fd: int, into: list[bytes]) -> None:
 
 def test_submit_streams_logs_and_progress_a_follow_ends_with_the_job_and_watch_draws_a_bar(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster],
+    etcd_server: EtcdServer, etcd_root: str,
 ) -> None:
     coordinator, agents = cluster
     api = coordinator.client()
@@ -236,6 +248,19 @@ def test_submit_streams_logs_and_progress_a_follow_ends_with_the_job_and_watch_d
 
         threading.Thread(target=follow, daemon=True).start()
         wait_for(lambda: "[a r0] started" in followed, timeout=60, what="the followed log")
+
+        # A follower that goes away closes the coordinator's stream from the agent too.
+        endpoint = _node_record(etcd_server, etcd_root, "a").logs
+        assert endpoint is not None
+        port = int(endpoint.url.rsplit(":", 1)[1])
+        streams = wait_for(lambda: _established(port), timeout=30, what="the agent's streams")
+        with httpx.stream("GET", f"{coordinator.url}/v1/jobs/{job}/logs",
+                          params={"follow": "true"}, headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=30) as response:
+            assert next(ln for ln in response.iter_lines() if ln) == "[a r0] started"
+            wait_for(lambda: _established(port) == streams + 1, timeout=30, what="a third")
+        wait_for(lambda: _established(port) == streams, timeout=30,
+                 what="the agent's stream of a follower that went away closed")
 
         # On a terminal, `status --watch` redraws a bar in place.
         master, slave = os.openpty()
