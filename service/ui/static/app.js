@@ -483,13 +483,13 @@
       summary: el("dl", {id: "job-summary", class: "summary"}),
       error: el("div", {id: "job-error", role: "alert"}),
       chart: el("div", {id: "world-size-chart"}),
+      eventsHead: el("thead", {}),
       events: el("tbody", {}),
       nodes: el("tbody", {}),
       logStatus: el("p", {id: "logs-status", class: "muted"}, "Connecting…"),
       logs: el("pre", {id: "logs", tabindex: 0}),
     };
-    const eventsHead = el("tr", {}, ...["Time", "Phase", "Reason", "Message", "World size",
-      "Recovery", "Steps lost"].map((name) => el("th", {scope: "col"}, name)));
+
     const nodesHead = el("tr", {}, ...["Node", "State", "Ranks", "Step", "Restarts"]
       .map((name) => el("th", {scope: "col"}, name)));
     const reload = el("button", {type: "button", id: "logs-reload"}, "Reconnect");
@@ -499,7 +499,7 @@
       parts.title, parts.links, parts.error, parts.summary,
       section("world-size", "World size over time", parts.chart),
       section("events", "Events",
-              el("table", {id: "events-table"}, el("thead", {}, eventsHead), parts.events)),
+              el("table", {id: "events-table"}, parts.eventsHead, parts.events)),
       section("job-nodes", "Nodes",
               el("table", {id: "job-nodes-table"}, el("thead", {}, nodesHead), parts.nodes)),
       section("logs-panel", "Logs", el("div", {class: "logs-bar"}, parts.logStatus, reload),
@@ -588,8 +588,15 @@
     morphChildren(parts.error, problems);
   }
 
+  // The steps each recovery lost show in a column of their own once events
+  // carry them (steps_lost); until then the job's goodput says what was lost.
   function renderEvents(parts, events, now) {
     const recovered = recoveries(events, now);
+    const withLost = events.some((event) => typeof event.steps_lost === "number");
+    const names = ["Time", "Phase", "Reason", "Message", "World size", "Recovery"];
+    if (withLost) names.push("Steps lost");
+    morphChildren(parts.eventsHead,
+                  [el("tr", {}, ...names.map((name) => el("th", {scope: "col"}, name)))]);
     const rows = events.slice().reverse().map((event) => {
       const rec = recovered.get(event.seq);
       const recovery = rec ? duration(rec.seconds) + (rec.ongoing ? " so far" : "") : "—";
@@ -601,7 +608,7 @@
         el("td", {class: "message"}, event.message),
         el("td", {class: "num"}, dash(event.world_size)),
         el("td", {class: "num recovery"}, recovery),
-        el("td", {class: "num steps-lost"}, lost));
+        withLost ? el("td", {class: "num steps-lost"}, lost) : null);
     });
     morphChildren(parts.events, rows);
   }
