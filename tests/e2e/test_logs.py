@@ -77,6 +77,7 @@ def _tidal(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_logs_are_read_through_the_coordinator_authenticated_big_and_after_a_node_is_gone(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster],
     etcd_server: EtcdServer, etcd_root: str,
@@ -199,6 +200,7 @@ def _read_all(fd: int, into: list[bytes]) -> None:
         into.append(data)
 
 
+@pytest.mark.slow
 def test_submit_streams_logs_and_progress_a_follow_ends_with_the_job_and_watch_draws_a_bar(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster],
     etcd_server: EtcdServer, etcd_root: str,
