@@ -269,10 +269,12 @@ class _Planner:
         self.policy = policy
         self.queues = with_default(view.queues)
         self.used: dict[str, int] = {}  # queue -> slots its jobs hold (this pass's members)
-        self.reserved: dict[str, str] = {}  # node -> the job it is reserved for
+        self.reserved: dict[str, tuple[str, int]] = {}  # node -> (job it is reserved for, slots)
         self.reservations: list[Reservation] = []
         self.reclaims: list[Reclaim] = []
         self.preempted: set[str] = set()
+        self.shrunk: set[str] = set()  # jobs that gave slots back in this pass
+        self.held: dict[str, str] = {}  # node -> the job a reclaim made room on it for
         # job -> (nodes its gang start placed, its members then); job -> nodes grown
         self.gangs: dict[str, tuple[list[str], int]] = {}
         self.grown: dict[str, list[str]] = {}
@@ -576,18 +578,27 @@ class _Planner:
         job that waits within its queue's guarantee), then reservations for jobs
         that waited too long, then idle slots to everyone, shared by weight."""
         for record in active:
-            if record.job_id in self.preempted:
+            if record.job_id in self.shrunk:
                 continue  # it just gave its slots back: it does not take others'
             if self._below_min(record) and self._owed(record) and not self._grow(
                 record, to_min_only=True
             ):
                 self._reclaim(record)
         for record in active:
+            if record.job_id in self.shrunk:
+                continue  # it just gave slots back: it does not take others
             room = self._queue(record).guaranteed - self.used.get(record.spec.queue, 0)
             if room >= record.spec.nproc_per_node and not self._below_min(record):
                 self._grow(record, to_min_only=False, most=room // record.spec.nproc_per_node)
         self._reserve(active)
         self._borrow(active)
+
+    def _reserved_away(self, node_id: str, record: JobRecord) -> bool:
+        """Whether the job would take slots of ``node_id`` reserved for another job."""
+        held = self.reserved.get(node_id)
+        if held is None or held[0] == record.job_id:
+            return False
+        return self.free[node_id] - held[1] < record.spec.nproc_per_node
 
     def _borrow(self, active: list[JobRecord]) -> None:
         """Idle slots to the queues by weight: the queue with the fewest borrowed
@@ -595,7 +606,7 @@ class _Planner:
         in its own order of priority then submission."""
         gangs: dict[str, list[JobRecord]] = {}
         for record in active:
-            if record.job_id not in self.preempted:  # it gave its slots back this pass
+            if record.job_id not in self.shrunk:  # it gave its slots back this pass
                 gangs.setdefault(record.spec.queue, []).append(record)
         growing: dict[str, list[JobRecord]] = {}
         while gangs or growing:
@@ -614,7 +625,7 @@ class _Planner:
                     continue
                 del gangs[name]
                 growing[name] = [
-                    r for r in active if r.spec.queue == name and r.job_id not in self.preempted
+                    r for r in active if r.spec.queue == name and r.job_id not in self.shrunk
                 ]
                 continue
             jobs = growing[name]
@@ -652,11 +663,9 @@ class _Planner:
             )
             if len(usable) < need:
                 continue  # it could not run even on an idle cluster (as it is now)
-            if sum(1 for n in usable if self._fits(record, n)) >= need:
-                continue  # it fits now: it needs no reservation
             chosen = usable[:need]
             for node_id in chosen:
-                self.reserved[node_id] = job_id
+                self.reserved[node_id] = (job_id, spec.nproc_per_node)
             self.reservations.append(Reservation(job_id, frozenset(chosen)))
 
     # reclaiming ----------------------------------------------------------------------
@@ -740,6 +749,26 @@ class _Planner:
         need = waiter.spec.min_nodes - len(self.members[waiter.job_id])
         return sum(1 for n in free if self._fits(waiter, n, free, placed)) >= need
 
+    def _hold_room(self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]) -> None:
+        """Hold the nodes the waiter will start on (freed by ``steps``, or free now)
+        for it: nobody else is placed on them in this pass."""
+        free = dict(self.free)
+        released: set[str] = set()
+        for v, nodes in steps:
+            for node_id in set(nodes):
+                free[node_id] = free.get(node_id, 0) + v.spec.nproc_per_node
+            released.update(nodes)
+        gone: dict[str, set[str]] = {}
+        for v, nodes in steps:
+            gone.setdefault(v.job_id, set()).update(nodes)
+        placed = [{n: a for n, a in per_node.items() if n not in gone.get(job_id, ())}
+                  for job_id, per_node in self.members.items()]
+        need = waiter.spec.min_nodes - len(self.members[waiter.job_id])
+        usable = sorted((n for n in free if self._fits(waiter, n, free, placed)),
+                        key=lambda n: (n not in released, -free[n], n))
+        for node_id in usable[:need]:
+            self.held[node_id] = waiter.job_id
+
     def _minimal(
         self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]
     ) -> list[tuple[JobRecord, list[str]]]:
@@ -757,6 +786,7 @@ class _Planner:
         released: dict[str, set[str]] = {}
         for v, nodes in steps:
             released.setdefault(v.job_id, set()).update(nodes)
+        self._hold_room(waiter, steps)
         queue = waiter.spec.queue
         for job_id, release in sorted(released.items()):
             nodes = sorted(release)
@@ -776,6 +806,7 @@ class _Planner:
                 why = (f"for job {waiter.job_id} of the same queue, of higher priority "
                        f"({waiter.spec.priority} > {v.spec.priority})")
             preempted = len(kept) < v.spec.min_nodes
+            self.shrunk.add(job_id)
             self.reclaims.append(Reclaim(job_id, waiter.job_id, tuple(sorted(nodes)), preempted,
                                          v.spec.queue != queue))
             if preempted:
@@ -844,8 +875,11 @@ class _Planner:
         want = target - len(kept)
         if not to_min_only and most is not None:
             want = min(want, most)
-        # The queue's limit, in nodes of this job.
-        want = min(want, self._limit_room(record) // spec.nproc_per_node)
+        # The queue's limit, in nodes of this job: all of a gang or nothing.
+        room = self._limit_room(record) // spec.nproc_per_node
+        if to_min_only and room < want:
+            return 0
+        want = min(want, room)
         if want <= 0:
             return 0
         if not to_min_only and len(kept) < spec.min_nodes:
@@ -856,7 +890,8 @@ class _Planner:
             return 0  # nothing fits anywhere: skip the scan (2,000 pending jobs on a full cluster)
         candidates = sorted(
             (n for n in self.open if self._fits(record, n)
-             and not (borrowing and self.reserved.get(n, job_id) != job_id)),
+             and self.held.get(n, job_id) == job_id
+             and not (borrowing and self._reserved_away(n, record))),
             key=lambda n: (-self.free[n], n),
         )
         if to_min_only and len(candidates) < want:
@@ -871,7 +906,7 @@ class _Planner:
             self._adjust(node_id, -spec.nproc_per_node)
         if to_min_only:
             self.gangs[job_id] = (sorted(chosen), len(kept))
-            for node_id in [n for n, holder in self.reserved.items() if holder == job_id]:
+            for node_id in [n for n, held in self.reserved.items() if held[0] == job_id]:
                 del self.reserved[node_id]  # it got its nodes
         else:
             self.grown.setdefault(job_id, []).extend(chosen)

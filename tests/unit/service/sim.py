@@ -10,6 +10,7 @@ can run successive reconcile passes without etcd.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
@@ -240,3 +241,145 @@ class Sim:
             per_node[node_id].nproc_per_node
             for per_node in self.view.assignments.values() if node_id in per_node
         )
+
+
+# a day of work -------------------------------------------------------------------------
+
+
+@dataclass
+class Work:
+    """A job of a workload: when it is submitted and how much it has to do.
+
+    ``work`` is in slot-seconds: a job holding ``s`` slots advances ``s`` per
+    second, except for ``restart_s`` after each change of its membership (a
+    graceful resize or a restart from its checkpoint loses no step, only time).
+    """
+
+    record: JobRecord
+    submit_at: float  # seconds after the workload's start
+    work: float
+    done: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    paused_until: float = 0.0
+    nodes: frozenset[str] = frozenset()
+
+
+@dataclass
+class DayStats:
+    """What a workload run measured."""
+
+    seconds: float
+    slot_seconds: float  # capacity over the run
+    busy_slot_seconds: float  # slots assigned to jobs
+    short_of_guarantee_s: dict[str, float]  # queue -> seconds it wanted its guarantee and had less
+    waits: dict[str, list[float]]  # queue -> submit to first start, per started job
+    finished: int
+    preemptions: int
+    shrinks: int
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_slot_seconds / self.slot_seconds if self.slot_seconds else 0.0
+
+
+class Workload:
+    """Drive a :class:`Sim` through submissions, progress and completions, a pass
+    every ``dt`` seconds: the agents report running (or success once a job's
+    work is done), then the coordinator passes.
+
+    Finished jobs leave the view (the real store keeps them; the scheduler only
+    skips them), so that a day of them keeps each pass small.
+    """
+
+    def __init__(self, sim: Sim, works: list[Work], *, dt: float = 10.0,
+                 restart_s: float = 20.0) -> None:
+        self.sim = sim
+        self.pending = sorted(works, key=lambda w: w.submit_at)
+        self.works = {w.record.job_id: w for w in works}
+        self.dt = dt
+        self.restart_s = restart_s
+        self.t = 0.0
+        self.starts: dict[str, float] = {}
+
+    def run(self, seconds: float, *, on_pass: Callable[[Workload], None] | None = None
+            ) -> DayStats:
+        sim = self.sim
+        capacity = sum(n.slots for n in sim.view.nodes.values())
+        stats = DayStats(seconds, 0.0, 0.0, {}, {}, 0, 0, 0)
+        while self.t < seconds:
+            while self.pending and self.pending[0].submit_at <= self.t:
+                work = self.pending.pop(0)
+                sim.submit(work.record.model_copy(
+                    update={"created_at": sim.clock, "next_event": 1}))
+            self._progress(stats)
+            for change in sim.step():
+                for event in change.events:
+                    if event.reason == EventReason.PREEMPTED:
+                        stats.preemptions += 1
+                    elif event.reason == EventReason.RECLAIMED:
+                        stats.shrinks += 1
+            sim.clock += timedelta(seconds=self.dt - 1)  # step() advanced one second
+            used = self._used()
+            stats.slot_seconds += capacity * self.dt
+            stats.busy_slot_seconds += sum(used.values()) * self.dt
+            self._guarantees(used, stats)
+            if on_pass is not None:
+                on_pass(self)
+            self.t += self.dt
+        for job_id, start in self.starts.items():
+            work = self.works[job_id]
+            stats.waits.setdefault(work.record.spec.queue, []).append(start - work.submit_at)
+        stats.finished = sum(1 for w in self.works.values() if w.finished_at is not None)
+        return stats
+
+    def _used(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for job_id, per_node in self.sim.view.assignments.items():
+            queue = self.sim.view.jobs[job_id].spec.queue
+            used[queue] = used.get(queue, 0) + sum(a.nproc_per_node for a in per_node.values())
+        return used
+
+    def _guarantees(self, used: dict[str, int], stats: DayStats) -> None:
+        """Count the time each queue wanted at least its guarantee but held less."""
+        wanted: dict[str, int] = {}
+        for record in self.sim.view.jobs.values():
+            if not record.phase.is_terminal():
+                spec = record.spec
+                wanted[spec.queue] = wanted.get(spec.queue, 0) + spec.min_nodes * (
+                    spec.nproc_per_node)
+        for name, queue in self.sim.view.queues.items():
+            if used.get(name, 0) < min(queue.guaranteed, wanted.get(name, 0)):
+                stats.short_of_guarantee_s[name] = (
+                    stats.short_of_guarantee_s.get(name, 0.0) + self.dt)
+
+    def _progress(self, stats: DayStats) -> None:
+        """Advance every placed job by the last ``dt``; report success or running."""
+        sim = self.sim
+        finished: list[str] = []
+        for job_id, per_node in sorted(sim.view.assignments.items()):
+            work = self.works[job_id]
+            record = sim.job(job_id)
+            nodes = frozenset(per_node)
+            if nodes != work.nodes:
+                work.nodes = nodes
+                work.paused_until = self.t + self.restart_s
+            if len(nodes) >= record.spec.min_nodes:
+                self.starts.setdefault(job_id, self.t)
+                running = max(0.0, self.t - max(work.paused_until, self.t - self.dt))
+                work.done += running * len(nodes) * record.spec.nproc_per_node
+            state = JobNodeState.SUCCEEDED if work.done >= work.work else JobNodeState.RUNNING
+            if state == JobNodeState.SUCCEEDED and work.finished_at is None:
+                work.finished_at = self.t
+            for node_id in sorted(per_node):
+                sim.report(job_id, node_id, state)
+        for job_id, record in sim.view.jobs.items():
+            if record.phase.is_terminal():
+                finished.append(job_id)
+        if finished:
+            gone = set(finished)
+            sim.view = replace(
+                sim.view,
+                jobs={j: r for j, r in sim.view.jobs.items() if j not in gone},
+                statuses={j: s for j, s in sim.view.statuses.items() if j not in gone},
+            )
