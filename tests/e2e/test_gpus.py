@@ -113,7 +113,17 @@ def test_two_jobs_on_one_node_get_disjoint_devices(
     for job in (a, b):
         wait_for(lambda: len(worker_envs(tmp_path, job)) == 2,  # noqa: B023 (waited here)
                  timeout=300, what=f"both workers of {job} to start")
-    c = submit(api, tmp_path, "c", 1)  # no GPU left on the node
+    # The third through the CLI (nproc_per_node follows gpus_per_node): no GPU is left.
+    cli = subprocess.run(
+        [sys.executable, "-m", "service.cli", "submit", "--url", coordinator.url, "--token", TOKEN,
+         "--no-wait", "--name", "c", "--gpus-per-node", "1", "--",
+         sys.executable, "-c", WORKER, str(tmp_path / "env")],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert cli.returncode == 0, cli.stderr
+    c = cli.stdout.strip()
+    spec = job_view(api, c)["spec"]
+    assert (spec["gpus_per_node"], spec["nproc_per_node"]) == (1, 1)
 
     seen: dict[str, set[int]] = {}
     for job in (a, b):
