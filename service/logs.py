@@ -344,6 +344,15 @@ class JobLogs:
                     if self.request.node in (None, node_id):
                         self._open(node_id, live, tail=None)
                 yield from self._flush_notes()
+                continue
+            # A job that started and ended between two checks: read the nodes it ran on.
+            unread = [n for n in self.first_nodes(record)
+                      if n not in self.pumps and n not in self.said_gone]
+            if unread:
+                live = self.store.nodes()
+                for node_id in unread:
+                    self._open(node_id, live, tail=None)
+                yield from self._flush_notes()
             elif not any(p.running for p in self.pumps.values()) and self.out.empty():
                 return
 
