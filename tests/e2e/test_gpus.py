@@ -9,7 +9,8 @@ the environment they were started with.
   devices;
 * a GPU that fails under a job (the inventory file rewritten) is taken out of
   the node's offer and the job loses the node as if it died: it comes back on
-  healthy devices only, and ``tidal nodes`` says why the GPU is out.
+  healthy devices only, and ``tidal nodes`` says why the GPU is out; after the
+  agent is SIGKILLed and started again, the job gets the same devices back.
 """
 
 from __future__ import annotations
@@ -209,3 +210,20 @@ def test_a_failed_gpu_leaves_the_offer_and_its_job_loses_the_node(
     assert cli.returncode == 0, cli.stderr
     assert f"GPU {broken} GPU-fake-{broken} is out of service: XID 79" in cli.stdout, cli.stdout
     assert "(1 failed)" in cli.stdout
+
+    # The agent dies (SIGKILL, its runner and workers with it) and starts again:
+    # the job comes back on the devices it had (remembered in the run directory).
+    held = devices_of(api, job)
+    before = {p.name for p in (tmp_path / "env").iterdir()}
+    agents.kill_agent("h")
+    wait_for(lambda: not api.get("/v1/nodes").json(), timeout=60, what="node h's lease to expire")
+    agents.start_agent("h", env=env)
+
+    def back_after_restart() -> bool:
+        started = [p for p in (tmp_path / "env").glob(f"{job}-*.json") if p.name not in before]
+        return len(started) == 2 and devices_of(api, job) == held
+
+    wait_for(back_after_restart, timeout=300, what=f"the job back on GPUs {held}")
+    fresh = [json.loads(p.read_text()) for p in (tmp_path / "env").glob(f"{job}-*.json")
+             if p.name not in before]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in fresh} == {",".join(map(str, held))}
