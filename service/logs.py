@@ -9,8 +9,9 @@ cannot be reached or whose stream broke off, a node moving to a new attempt
 or generation. An unknown job is a 404 with ``{"error": ...}`` before anything
 is streamed.
 
-Each node's agent serves its files (agent.logserve), authenticated with the
-token of its node record in etcd; this module opens one stream per node and
+Each node's agent serves its files (agent.logserve), authenticated both ways
+with the token of its node record in etcd (the coordinator sends it; the agent
+answers a nonce with an HMAC keyed with it); this module opens one stream per node and
 passes lines on as they come, a line at a time (nothing is held whole).
 Without ``follow``, nodes come one after the other, sorted by id; with it,
 their lines are interleaved as they arrive, nodes that join the job are
@@ -23,9 +24,11 @@ output has its prefix).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -40,7 +43,7 @@ from fastapi.params import Depends
 from fastapi.responses import StreamingResponse
 
 from rendezvous.records import JobNodeStatus
-from rendezvous.registry import NodeInfo
+from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, NodeInfo
 from service.models import JobEvent, JobRecord
 from service.store import JobNotFoundError, JobStore
 
@@ -150,16 +153,22 @@ class _Pump:
             params["tail"] = self.tail
         timeout = httpx.Timeout(AGENT_READ_TIMEOUT_S, connect=AGENT_CONNECT_TIMEOUT_S)
         url = f"{endpoint.url}/v1/jobs/{self.job_id}/logs"
+        nonce = secrets.token_urlsafe(24)
         ended = False
         try:
             with httpx.Client(timeout=timeout, trust_env=False) as http, http.stream(
                 "GET", url, params=params,
-                headers={"Authorization": f"Bearer {endpoint.token}"},
+                headers={"Authorization": f"Bearer {endpoint.token}", NONCE_HEADER: nonce},
             ) as response:
                 if response.status_code != 200:
                     response.read()
                     self.put(tidal_line(f"node {node_id}'s agent refused the logs request "
                                         f"(HTTP {response.status_code}: {_error_of(response)})"))
+                    return
+                if not hmac.compare_digest(response.headers.get(PROOF_HEADER, ""),
+                                           endpoint.proof(nonce)):
+                    self.put(tidal_line(f"node {node_id}: the server at {endpoint.url} did not "
+                                        "prove it is the node's agent; its answer is not read"))
                     return
                 for raw in response.iter_lines():
                     if self.stop.is_set():
