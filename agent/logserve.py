@@ -31,7 +31,10 @@ follows a node again after it left and rejoined the job has seen those).
 The token is made at random when the agent starts and travels in the node's
 record in etcd (:class:`rendezvous.registry.LogEndpoint`), which only etcd's
 clients (the coordinator) can read: nothing is served without it, and the job
-id is checked (``keys.validate_id``) before it becomes a path.
+id is checked (``keys.validate_id``) before it becomes a path. The other way
+round, the answer proves the server holds the token too (``X-Tidal-Proof``,
+an HMAC of the coordinator's ``X-Tidal-Nonce``), so the coordinator reads logs
+only from the node's own agent.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
+from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, log_proof
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +352,7 @@ class LogServer:
         if len(token) < 16:
             raise ValueError("the log server's token must be at least 16 characters")
         self.run_dir = run_dir
+        self.token = token
         self._expected = f"Bearer {token}".encode()
         self.active = active
         self._stop = threading.Event()
@@ -429,7 +434,10 @@ class _LogHandler(BaseHTTPRequestHandler):
         if query is None:
             self._json(404, {"error": "no such route"})
             return
+        nonce = self.headers.get(NONCE_HEADER, "")
         self.send_response(200)
+        if 0 < len(nonce) <= 128:  # the coordinator checks that this server holds the token
+            self.send_header(PROOF_HEADER, log_proof(owner.token, nonce))
         self.send_header("Content-Type", "application/x-ndjson")
         self.send_header("Cache-Control", "no-store")
         self.send_header("Connection", "close")

@@ -22,6 +22,8 @@ on :class:`~rendezvous.watch.PrefixWatcher`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import re
 import socket
@@ -75,6 +77,22 @@ class LogEndpoint(BaseModel):
 
     url: str = Field(pattern=r"^http://[A-Za-z0-9.:_\[\]-]{1,253}:[0-9]{1,5}$")
     token: str = Field(min_length=16, max_length=256, repr=False)
+
+    def proof(self, nonce: str) -> str:
+        """What the agent answers to the coordinator's ``nonce`` (``X-Tidal-Proof``):
+        the server proves it holds the token too, so the coordinator reads logs only
+        from the node's own agent, not from whatever took over its address."""
+        return log_proof(self.token, nonce)
+
+
+#: The headers of the log route's proof (:meth:`LogEndpoint.proof`).
+NONCE_HEADER = "X-Tidal-Nonce"
+PROOF_HEADER = "X-Tidal-Proof"
+
+
+def log_proof(token: str, nonce: str) -> str:
+    """HMAC-SHA256 of ``nonce`` keyed with the log route's ``token``, in hex."""
+    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
 
 
 class NodeInfo(BaseModel):
