@@ -12,7 +12,11 @@ import pytest
 
 from rendezvous.client import EtcdClient, EtcdConfig, create_client
 from rendezvous.etcd_server import EtcdServer, etcd_version, find_etcd_binary, is_durable_version
+from tests.support.agents import SESSION_VAR
 from tests.support.processes import ProcessGroupRegistry
+
+# Every process this session starts inherits it (see tests.support.agents.processes_of_node).
+os.environ[SESSION_VAR] = str(os.getpid())
 
 _roots = itertools.count()
 

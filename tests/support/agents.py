@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +30,23 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+#: Set by tests/conftest.py to the pytest process's PID: every process a test session
+#: starts inherits it, so processes_of_node sees only this session's node "a", not
+#: that of another session running beside it on the same machine.
+SESSION_VAR = "PYTEST_TIDAL_SESSION"
+
+
 def processes_of_node(node_id: str, *, warm: bool = False) -> list[int]:
     """PIDs of live processes whose environment says they work for ``node_id``.
 
     The runner exports TIDAL_NODE_ID to every worker, so this finds a node's
-    workers even after they were re-parented. A warm runner that waits for a
+    workers even after they were re-parented; only this test session's
+    processes count (:data:`SESSION_VAR`). A warm runner that waits for a
     job and its zygote work for no job: they are left out unless ``warm``.
     """
     needle = f"TIDAL_NODE_ID={node_id}".encode()
+    mine = os.environ.get(SESSION_VAR)
+    session = None if mine is None else f"{SESSION_VAR}={mine}".encode()
     found: dict[int, int] = {}  # pid -> parent pid
     idle: set[int] = set()
     for entry in Path("/proc").iterdir():
@@ -48,7 +58,8 @@ def processes_of_node(node_id: str, *, warm: bool = False) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if stat[0] != "Z" and needle in environ.split(b"\0"):
+        variables = environ.split(b"\0")
+        if stat[0] != "Z" and needle in variables and (session is None or session in variables):
             found[int(entry.name)] = int(stat[1])
             if is_idle_warm_runner(argv):
                 idle.add(int(entry.name))
