@@ -274,6 +274,7 @@ class _Planner:
         self.reclaims: list[Reclaim] = []
         self.preempted: set[str] = set()
         self.shrunk: set[str] = set()  # jobs that gave slots back in this pass
+        self.by_queue: dict[str, list[str]] = {}  # queue -> its active jobs, in order
         self.held: dict[str, str] = {}  # node -> the job a reclaim made room on it for
         # job -> (nodes its gang start placed, its members then); job -> nodes grown
         self.gangs: dict[str, tuple[list[str], int]] = {}
@@ -323,9 +324,12 @@ class _Planner:
         record.next_event += 1
 
     def set_phase(self, job_id: str, phase: JobPhase, reason: EventReason, message: str) -> None:
-        record = self.change(job_id).record
-        if record.phase == phase:
+        # Checked before change(): a settled job's phase is unchanged in most
+        # passes, and change() deep-copies the record.
+        current = self.changes[job_id].record if job_id in self.changes else self.view.jobs[job_id]
+        if current.phase == phase:
             return
+        record = self.change(job_id).record
         record.phase.check_transition(phase)
         record.phase = phase
         if phase.is_terminal():
@@ -377,6 +381,8 @@ class _Planner:
             self._rebound(record)
         for record in active:
             self._hold(record, len(self.members[record.job_id]))
+        for record in active:
+            self.by_queue.setdefault(record.spec.queue, []).append(record.job_id)
         self._place(active)
         for record in active:
             self._announce(record)
@@ -544,9 +550,10 @@ class _Planner:
         """Slots held by the jobs of the job's queue that come before it: its own,
         and those of jobs of its priority or higher."""
         total = 0
-        for job_id, kept in self.members.items():
+        for job_id in self.by_queue.get(record.spec.queue, ()):
+            kept = self.members[job_id]
             other = self.view.jobs[job_id]
-            if other.spec.queue == record.spec.queue and kept and (
+            if kept and (
                 job_id == record.job_id or other.spec.priority >= record.spec.priority
             ):
                 total += len(kept) * other.spec.nproc_per_node
@@ -565,9 +572,10 @@ class _Planner:
         (in priority, then submission order): what it holds within the guarantee."""
         before = 0
         mine = _order(record)
-        for job_id, kept in self.members.items():
+        for job_id in self.by_queue.get(record.spec.queue, ()):
+            kept = self.members[job_id]
             other = self.view.jobs[job_id]
-            if other.spec.queue == record.spec.queue and kept and _order(other) < mine:
+            if kept and _order(other) < mine:
                 before += len(kept) * other.spec.nproc_per_node
         return max(0, self._queue(record).guaranteed - before)
 
