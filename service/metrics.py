@@ -29,6 +29,8 @@ from prometheus_client.registry import Collector
 
 from rendezvous.records import JobNodeStatus
 from service.models import EventReason, JobPhase
+from service.queues import with_default
+from service.scheduler import view_usage
 from service.store import Snapshot
 
 # Durations from a millisecond (an API call) to minutes (a reconcile pass under load).
@@ -37,7 +39,9 @@ RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 # The reasons the scheduler restarts a job for (JobRecord.restarts); each active
 # job's counter starts at zero for every one, so increase() sees the first.
 JOB_RESTART_REASONS = (EventReason.NODE_LOST, EventReason.NODE_JOINED, EventReason.NODE_DRAINED,
-                       EventReason.SCALED_BY_USER)
+                       EventReason.SCALED_BY_USER, EventReason.RECLAIMED, EventReason.PREEMPTED)
+# What a reclaim did to a job (service.scheduler), by the restart reason it counted.
+RECLAIM_ACTIONS = {EventReason.RECLAIMED.value: "shrink", EventReason.PREEMPTED.value: "preempt"}
 # Departures waiting for a snapshot to classify them (a non-leader never takes one).
 MAX_PENDING_DEPARTURES = 1024
 
@@ -200,6 +204,48 @@ class ClusterCollector(Collector):
             slots.add_metric(["used"], used)
         yield from (jobs, nodes, slots)
         yield from _per_job(snap)
+        yield from _per_queue(snap)
+
+
+def _per_queue(snap: Snapshot | None) -> list[Metric]:
+    """Each queue's guaranteed, used, borrowed and waiting slots, and its jobs' reclaims."""
+    labels = ["queue"]
+    guaranteed = GaugeMetricFamily("tidal_coordinator_queue_guaranteed_slots",
+                                   "Slots each queue is guaranteed.", labels=labels)
+    used = GaugeMetricFamily("tidal_coordinator_queue_used_slots",
+                             "Slots each queue's jobs hold.", labels=labels)
+    borrowed = GaugeMetricFamily("tidal_coordinator_queue_borrowed_slots",
+                                 "Slots each queue's jobs hold beyond its guarantee.",
+                                 labels=labels)
+    waiting = GaugeMetricFamily("tidal_coordinator_queue_waiting_slots",
+                                "Slots each queue's waiting jobs need to start.", labels=labels)
+    reclaims = CounterMetricFamily(
+        "tidal_coordinator_queue_reclaims",
+        "Jobs of each queue shrunk (shrink) or preempted (preempt) to give slots back.",
+        labels=["queue", "action"],
+    )
+    if snap is not None:
+        view = snap.view
+        queues = with_default(view.queues)
+        usage = view_usage(view)
+        counts = {(name, action): 0 for name in queues for action in RECLAIM_ACTIONS.values()}
+        for record in view.jobs.values():
+            for reason, action in RECLAIM_ACTIONS.items():
+                if record.restarts.get(reason):
+                    key = (record.spec.queue, action)
+                    counts[key] = counts.get(key, 0) + record.restarts[reason]
+        for name in sorted({*queues, *usage}):
+            spec = queues.get(name)
+            share = spec.guaranteed if spec is not None else 0
+            held = usage.get(name)
+            in_use = held.in_use if held is not None else 0
+            guaranteed.add_metric([name], share)
+            used.add_metric([name], in_use)
+            borrowed.add_metric([name], max(0, in_use - share))
+            waiting.add_metric([name], held.waiting if held is not None else 0)
+        for (name, action), count in sorted(counts.items()):
+            reclaims.add_metric([name, action], count)
+    return [guaranteed, used, borrowed, waiting, reclaims]
 
 
 def _per_job(snap: Snapshot | None) -> list[Metric]:

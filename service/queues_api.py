@@ -33,12 +33,11 @@ from service.queues import (
     Usage,
     check_limit,
     overcommit_warning,
-    queue_usage,
     queue_view,
     with_default,
 )
 from service.queues_access import principal_of, require_admin
-from service.scheduler import ClusterView
+from service.scheduler import ClusterView, view_usage
 from service.store import MAX_CAS_ATTEMPTS, ConflictError, JobNotFoundError, JobStore
 
 QueueNameParam = Annotated[str, PathParam(pattern=QUEUE_PATTERN, description="A queue's name.")]
@@ -115,14 +114,6 @@ def _capacity(view: ClusterView) -> int:
     return sum(n.slots for n_id, n in view.nodes.items() if n_id not in view.draining)
 
 
-def _usage(view: ClusterView) -> dict[str, Usage]:
-    return queue_usage(
-        ((r.job_id, r.spec.queue, r.spec.min_nodes, r.spec.nproc_per_node,
-          r.phase.is_terminal()) for r in view.jobs.values()),
-        view.assignments,
-    )
-
-
 def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: None) -> APIRouter:
     """The /v1/queues routes (include with the API's authentication dependency).
 
@@ -136,7 +127,7 @@ def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: Non
     def overview() -> tuple[dict[str, QueueSpec], dict[str, Usage], int]:
         snap = store.snapshot()
         all_queues = with_default(queues.stored())
-        return all_queues, _usage(snap.view), _capacity(snap.view)
+        return all_queues, view_usage(snap.view), _capacity(snap.view)
 
     def changed(name: str) -> QueueChanged:
         all_queues, usage, capacity = overview()

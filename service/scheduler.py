@@ -57,7 +57,7 @@ from service.models import (
     JobPhase,
     JobRecord,
 )
-from service.queues import QueueSpec, with_default
+from service.queues import QueueSpec, Usage, queue_usage, with_default
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,15 @@ def names(nodes: Iterable[str]) -> str:
 
 def _order(record: JobRecord) -> tuple[int, datetime, str]:
     return (-record.spec.priority, record.created_at, record.job_id)
+
+
+def view_usage(view: ClusterView) -> dict[str, Usage]:
+    """Slots each queue's unfinished jobs hold and wait for (:func:`service.queues.queue_usage`)."""
+    return queue_usage(
+        ((r.job_id, r.spec.queue, r.spec.min_nodes, r.spec.nproc_per_node,
+          r.phase.is_terminal()) for r in view.jobs.values()),
+        view.assignments,
+    )
 
 
 def waiting_since(record: JobRecord) -> datetime:

@@ -37,7 +37,7 @@ LOAD = 1.3  # offered slot-seconds over capacity
 
 def day_of_work(seed: int, *, seconds: float = DAY_S, nodes: int = NODES) -> list[Work]:
     """Seeded submissions from every queue: half rigid (1-4 nodes), half elastic
-    (min 1-2, max 4-8); work of 10 minutes to 3 hours on 2 nodes."""
+    (min 1-2, max 8-16); work of 10 minutes to 3 hours on 2 nodes."""
     rng = random.Random(seed)
     works: list[Work] = []
     budget = LOAD * nodes * seconds
@@ -48,7 +48,7 @@ def day_of_work(seed: int, *, seconds: float = DAY_S, nodes: int = NODES) -> lis
         while offered < budget * part:
             size = rng.randint(1, 4)
             elastic = rng.random() < 0.5
-            low, high = (rng.randint(1, 2), rng.randint(4, 8)) if elastic else (size, size)
+            low, high = (rng.randint(1, 2), rng.randint(8, 16)) if elastic else (size, size)
             work = rng.uniform(600, 3 * 3600) * 2
             t += rng.expovariate(1.0) * work / (budget * part / seconds)
             if t >= seconds:
