@@ -59,7 +59,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -71,6 +70,7 @@ from typing import Any
 
 import httpx
 
+from rendezvous.child import Child
 from rendezvous.client import EtcdConfig
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_auth import (
@@ -143,9 +143,7 @@ class _Child:
     """One process this cluster started, in its own process group."""
 
     name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    log_offset: int  # where this run's output starts in an appended log
+    proc: Child  # the process, its group and its log
     ready_file: Path
     started_at: float  # monotonic
     run_dir: Path | None = None  # agents only
@@ -158,7 +156,11 @@ class _Child:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.proc.log_path
 
     def read_ready(self) -> bool:
         """True once the ready file of this incarnation is there (sets url/metrics_port)."""
@@ -169,17 +171,9 @@ class _Child:
         self.metrics_port = ready.metrics_port or self.metrics_port
         return True
 
-    def new_output(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_offset)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
     def tail(self, lines: int = 30) -> str:
-        text = self.new_output().splitlines()[-lines:]
-        return f"--- last lines of {self.log_path} ---\n" + ("\n".join(text) or "(empty)")
+        text = self.proc.log_tail(lines)
+        return f"--- last lines of {self.log_path} ---\n" + (text or "(empty)")
 
 
 @dataclass(frozen=True)
@@ -200,11 +194,6 @@ class ChildExit:
     returncode: int | None
     essential: bool
     log_tail: str
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 def _child_env() -> dict[str, str]:
@@ -379,7 +368,7 @@ class LocalCluster:
         """The pid of the coordinator now running; None while it is being restarted."""
         with self._lock:
             child = self._coordinator
-            if child is None or child.process.poll() is not None:
+            if child is None or child.proc.poll() is not None:
                 return None
             return child.pid
 
@@ -583,22 +572,12 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str], *, run_dir: Path | None = None) -> _Child:
         log_path = self.logs_dir / f"{name}.log"
-        offset = log_path.stat().st_size if log_path.exists() else 0
         ready_file = self._ready_file(name)
         with contextlib.suppress(FileNotFoundError):
             ready_file.unlink()
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=_child_env(),
-                start_new_session=True,  # its own process group, stopped as a whole
-            )
-        log.info("started %s (pid %d), log %s", name, process.pid, log_path)
-        return _Child(name, process, log_path, offset, ready_file, time.monotonic(),
-                      run_dir=run_dir)
+        proc = Child.spawn(name, argv, log_path, env=_child_env())
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return _Child(name, proc, ready_file, time.monotonic(), run_dir=run_dir)
 
     def _spawn_agent(self) -> str:
         with self._lock:
@@ -635,7 +614,7 @@ class LocalCluster:
                     f"etcd exited while waiting for {what}; log tail:\n{self._etcd.log_tail()}"
                 )
             for child in watched:
-                code = child.process.poll()
+                code = child.proc.poll()
                 if code is not None:
                     raise ClusterError(
                         f"{child.name} (pid {child.pid}) exited with code {code} while "
@@ -738,9 +717,7 @@ class LocalCluster:
             if child is None:
                 self._agent(node_id)  # raises, naming what runs
                 return
-        _signal_group(child.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=10)
+        child.proc.kill()
         log.info("killed %s (pid %d)", node_id, child.pid)
         if self._wrote_cluster_file and not self._stopped:
             self._write_cluster_file()
@@ -783,7 +760,7 @@ class LocalCluster:
         for child in self._children():
             if child.restart_at is not None and now >= child.restart_at:
                 self._restart(child)
-            elif child.restart_at is None and child.restarts and child.process.poll() is None \
+            elif child.restart_at is None and child.restarts and child.proc.poll() is None \
                     and not child.url and not child.metrics_port and child.read_ready():
                 changed = True
                 if child is self._coordinator and child.url is not None:
@@ -804,10 +781,10 @@ class LocalCluster:
         for child in self._children():
             if child.restart_at is not None:
                 continue  # dead already, waiting for its restart
-            code = child.process.poll()
+            code = child.proc.poll()
             if code is None:
                 continue
-            _signal_group(child.pid, signal.SIGKILL)  # whatever is left of its group
+            child.proc.signal(signal.SIGKILL)  # whatever is left of its group
             essential = child is self._coordinator and not restart
             self._exits.append(ChildExit(child.name, child.pid, code, essential, child.tail()))
             if not restart:
@@ -858,12 +835,12 @@ class LocalCluster:
             agents = list(self._agents.values())
             self._agents.clear()
         for child in agents:
-            _signal_group(child.pid, signal.SIGTERM)
+            child.proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
         for child in agents:
             self._reap(child, deadline)
         if self._coordinator is not None:
-            _signal_group(self._coordinator.pid, signal.SIGTERM)
+            self._coordinator.proc.signal(signal.SIGTERM)
             self._reap(self._coordinator, time.monotonic() + COORDINATOR_STOP_S)
         if self._etcd is not None:
             self._etcd.stop()
@@ -874,14 +851,10 @@ class LocalCluster:
 
     @staticmethod
     def _reap(child: _Child, deadline: float) -> None:
-        try:
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if child.proc.wait(max(0.0, deadline - time.monotonic())) is None:
             log.warning("%s (pid %d) did not stop in time; killing it", child.name, child.pid)
         # Whatever is left of its group (a runner between signals, say) goes too.
-        _signal_group(child.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=10)
+        child.proc.kill()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
