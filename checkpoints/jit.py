@@ -300,7 +300,10 @@ class JustInTimeSaver:
 
     def boundary(self, step: int) -> None:
         """``step`` optimizer steps are complete and nothing has changed since: remember it."""
-        small = copy.deepcopy(self._small_state(step))
+        small = self._small_state(step)
+        rng = small.pop("rng", None)  # fresh objects already: no copy
+        small = copy.deepcopy(small)  # the scheduler's and the extras' values may change
+        small["rng"] = rng
         with self._lock:
             self._step, self._small, self._dirty = step, small, False
 
