@@ -117,9 +117,10 @@ class Variant:
 
 
 def analyse_kill(kill: Kill, worker: list[Line], runner: list[Line], survivors: set[str],
-                 step_s: float) -> None:
-    """Steps lost and where the seconds went, for one kill."""
-    after = [ln for ln in worker if ln.time > kill.at and ln.node in survivors]
+                 step_s: float, until: float) -> None:
+    """Steps lost and where the seconds went, for one kill (None: no restart before ``until``,
+    the next kill or the window's end)."""
+    after = [ln for ln in worker if kill.at < ln.time < until and ln.node in survivors]
     start = next((ln for ln in after if _START.search(ln.text)), None)
     if start is None:
         return
@@ -231,7 +232,8 @@ def run_variant(name: str, jit: bool, workdir: Path, etcd: EtcdServer, root: str
         step_s = statistics.median(intervals) if intervals else STEP_SECONDS
         for index, kill in enumerate(out.kills):
             survivors = set(cluster.agents) - {k.victim for k in out.kills[: index + 1]}
-            analyse_kill(kill, worker, runner, survivors, step_s)
+            until = out.kills[index + 1].at if index + 1 < len(out.kills) else t_end
+            analyse_kill(kill, worker, runner, survivors, step_s, until)
     finally:
         for node in list(cluster.agents):
             cluster.kill_agent(node)
@@ -264,7 +266,8 @@ def report(variants: list[Variant], load: tuple[float, float]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     for v in variants:
-        lines += [f"{v.name}: kill {i + 1} at +{k.at - v.kills[0].at:.0f} s lost {k.lost}, "
+        lines += [f"{v.name}: kill {i + 1} at +{k.at - v.kills[0].at:.0f} s: "
+                  + ("no restart before the next kill" if k.lost is None else f"lost {k.lost}, ")
                   + ", ".join(f"{n} {s:.2f}" for n, s in k.parts.items())
                   for i, k in enumerate(v.kills)]
         lines += [f"{v.name}: {note}" for note in v.notes]
