@@ -168,24 +168,27 @@ def test_a_failed_gpu_leaves_the_offer_and_its_job_loses_the_node(
     coordinator, agents = cluster
     api = coordinator.client()
     path = tmp_path / "gpus.json"
-    inventory(path)
+    # GPU 0 is out from the start (repaired later): the job's devices are then
+    # not the lowest ones, which an agent without memory would pick.
+    inventory(path, failed={0: "XID 48"})
     env = dict(os.environ, TIDAL_GPU_INVENTORY_FILE=str(path), TIDAL_GPU_POLL_S="0.2")
     agents.start_agent("h", env=env)
-    wait_for(lambda: [n["slots"] for n in api.get("/v1/nodes").json()] == [4], timeout=60,
-             what="node h to offer 4 GPUs")
+    wait_for(lambda: [n["slots"] for n in api.get("/v1/nodes").json()] == [3], timeout=60,
+             what="node h to offer its 3 healthy GPUs")
     job = submit(api, tmp_path, "fragile", 2)
     wait_for(lambda: len(devices_of(api, job)) == 2 and len(worker_envs(tmp_path, job)) == 2,
              timeout=300, what="the job to run on 2 GPUs")
     first = devices_of(api, job)
+    assert first == [1, 2]
     broken = first[1]
     before = {p.name for p in (tmp_path / "env").iterdir()}
 
-    inventory(path, failed={broken: "XID 79: fell off the bus"})
+    inventory(path, failed={0: "XID 48", broken: "XID 79: fell off the bus"})
 
     def gpu_out() -> bool:
         [node] = api.get("/v1/nodes").json()
         gpu = node["gpu_devices"][broken]
-        return node["slots"] == 3 and not gpu["healthy"] and "XID 79" in gpu["fault"]
+        return node["slots"] == 2 and not gpu["healthy"] and "XID 79" in gpu["fault"]
 
     wait_for(gpu_out, timeout=30, what=f"GPU {broken} to leave node h's offer")
     wait_for(lambda: "node_lost" in [e["reason"] for e in
@@ -198,7 +201,7 @@ def test_a_failed_gpu_leaves_the_offer_and_its_job_loses_the_node(
 
     wait_for(back_on_healthy, timeout=180, what="the job to run again")
     again = devices_of(api, job)
-    assert broken not in again, f"the job got the failed GPU {broken} back: {again}"
+    assert again == [1, 3], f"the job got the failed GPU {broken} back, or moved: {again}"
     fresh = [json.loads(p.read_text()) for p in (tmp_path / "env").iterdir()
              if p.name not in before and p.name.startswith(job)]
     assert all(str(broken) not in e["CUDA_VISIBLE_DEVICES"].split(",") for e in fresh), fresh
@@ -209,11 +212,18 @@ def test_a_failed_gpu_leaves_the_offer_and_its_job_loses_the_node(
     )
     assert cli.returncode == 0, cli.stderr
     assert f"GPU {broken} GPU-fake-{broken} is out of service: XID 79" in cli.stdout, cli.stdout
-    assert "(1 failed)" in cli.stdout
+    assert "(2 failed)" in cli.stdout
+
+    # GPU 0 repaired: the offer grows back to 3 (the job keeps its devices).
+    inventory(path, failed={broken: "XID 79: fell off the bus"})
+    wait_for(lambda: [n["slots"] for n in api.get("/v1/nodes").json()] == [3], timeout=30,
+             what="GPU 0 back in node h's offer")
 
     # The agent dies (SIGKILL, its runner and workers with it) and starts again:
-    # the job comes back on the devices it had (remembered in the run directory).
+    # the job comes back on the devices it had, 1 and 3 (remembered in the run
+    # directory), not on the lowest free ones, 0 and 1.
     held = devices_of(api, job)
+    assert held == [1, 3]
     before = {p.name for p in (tmp_path / "env").iterdir()}
     agents.kill_agent("h")
     wait_for(lambda: not api.get("/v1/nodes").json(), timeout=60, what="node h's lease to expire")
