@@ -271,6 +271,24 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
     )
     assert durations == [[2, {"seconds": 3.5, "ongoing": False}],
                          [4, {"seconds": 2, "ongoing": True}]]
+    # Nodes that join in the pass that starts the job are its start, not a recovery.
+    durations = driver.execute_script(
+        """
+        const ev = (seq, t, phase, reason) => ({seq, time: t, phase, reason, world_size: 2});
+        const out = window.tidalUi.recoveries([
+          ev(0, '2026-01-01T00:00:00Z', 'PENDING', 'submitted'),
+          ev(1, '2026-01-01T00:00:01Z', 'PENDING', 'scheduled'),
+          ev(2, '2026-01-01T00:00:01Z', 'PENDING', 'node_joined'),
+          ev(3, '2026-01-01T00:00:01Z', 'RUNNING', 'scheduled'),
+          ev(4, '2026-01-01T00:00:40Z', 'RUNNING', 'scaled_by_user'),
+          ev(5, '2026-01-01T00:00:40Z', 'RUNNING', 'scaled_by_user'),
+          ev(6, '2026-01-01T00:00:40Z', 'RESCALING', 'restarted'),
+          ev(7, '2026-01-01T00:00:51Z', 'RUNNING', 'restarted'),
+        ], Date.parse('2026-01-01T00:01:00Z'));
+        return Array.from(out.entries());
+        """
+    )
+    assert durations == [[4, {"seconds": 11, "ongoing": False}]]
     goodput = driver.execute_script(
         "return [window.tidalUi.goodputText({goodput: 0.9712, lost_seconds: {restart: 9,"
         " detection: 1, redone: 2, checkpoint_stall: 0.01}}), window.tidalUi.goodputText({})];")

@@ -394,12 +394,19 @@
   // joined, a resize, a charged restart) until the job ran again, i.e. the
   // next event in phase RUNNING with reason "restarted" (the scheduler writes
   // it once every node runs at the new size). Disruptions that come before the
-  // job ran again are one recovery, shown on the first of them. Returns
-  // seq -> {seconds, ongoing}; a recovery the job's end cut short is left out.
+  // job ran again are one recovery, shown on the first of them; those before
+  // the job first ran (nodes joining in the pass that starts it) are its start,
+  // not a recovery. Returns seq -> {seconds, ongoing}; a recovery the job's end
+  // cut short is left out.
   function recoveries(events, nowMs) {
     const out = new Map();
     let start = null;
+    let ran = false;
     for (const event of events) {
+      if (event.phase === "RUNNING" && !ran) {
+        ran = true;
+        continue;
+      }
       if (event.phase === "RUNNING" && event.reason === "restarted") {
         if (start !== null) {
           out.set(start.seq, {seconds: (Date.parse(event.time) - Date.parse(start.time)) / 1000,
@@ -408,7 +415,7 @@
         start = null;
       } else if (TERMINAL.has(event.phase)) {
         start = null;
-      } else if (start === null && DISRUPTIONS.has(event.reason)) {
+      } else if (ran && start === null && DISRUPTIONS.has(event.reason)) {
         start = event;
       }
     }
