@@ -1,5 +1,6 @@
 """The etcd facade's one call path: every call has a deadline; a request that never
-reached a member goes once more to another (rendezvous.etcd.facade; no etcd needed).
+reached a member goes once more to another; a watch that etcd does not confirm in time
+ends (rendezvous.etcd.facade and .stream; no etcd needed).
 
 The facade's transport is real (its gRPC channels connect lazily and are never
 used); only its one sending method is replaced, by a recorder that answers
@@ -8,6 +9,7 @@ with etcd's own (empty) response messages.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,8 +17,8 @@ import grpc
 import pytest
 from pyetcd import etcdrpc
 
-from rendezvous.client import Compare, EtcdClient, EtcdConfig, Get, Put
-from rendezvous.errors import EtcdUnavailableError
+from rendezvous.client import Compare, EtcdClient, EtcdConfig, Get, Put, WatchStream
+from rendezvous.errors import EtcdError, EtcdUnavailableError
 from tests.unit.rendezvous.test_etcd_translate import RpcError
 
 TIMEOUT_S = 3.0
@@ -88,6 +90,12 @@ CALLS: dict[str, Callable[[EtcdClient], object]] = {
 }
 
 
+def test_every_operation_of_the_facade_is_checked_here() -> None:
+    operations = {n for n, v in vars(EtcdClient).items() if callable(v) and not n.startswith("_")}
+    # close sends nothing; a watch is a stream whose opening has the deadline (below).
+    assert operations - {"close", "watch"} == set(CALLS)
+
+
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_every_call_is_sent_with_the_clients_deadline(
     client: EtcdClient, record: Callable[..., Recorder], name: str
@@ -134,3 +142,32 @@ def test_a_request_that_timed_out_is_not_resent(
     with pytest.raises(EtcdUnavailableError, match=f"within {TIMEOUT_S:g} s"):
         client.put("/k", b"v")
     assert len(recorder.calls) == 1
+
+
+class SilentWatch:
+    """A watch call that etcd never answers: iterating it blocks until it is cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Any]:
+        assert self.cancelled.wait(timeout=30), "the watch was never cancelled"
+        raise RpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+
+
+def test_a_watch_etcd_never_confirms_ends_after_the_deadline_and_blames_its_member() -> None:
+    blamed: list[grpc.RpcError | None] = []
+    stream = WatchStream(
+        what="watch /k",
+        create=etcdrpc.WatchRequest(),
+        open_call=lambda requests: SilentWatch(),
+        translate=lambda what, exc: EtcdError(what),
+        create_timeout_s=0.2,
+        blame=blamed.append,
+    )
+    with pytest.raises(EtcdUnavailableError, match="etcd did not open the watch in time"):
+        list(stream)
+    assert blamed == [None]  # None: silence, not a refusal
