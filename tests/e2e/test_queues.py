@@ -44,7 +44,7 @@ def _job_logs(root: Path, job_id: str) -> list[str]:
 
 def _running_at(api: httpx.Client, job_id: str, size: int) -> bool:
     view = job_view(api, job_id)
-    return view["phase"] == "RUNNING" and view["world_size"] == size
+    return bool(view["phase"] == "RUNNING" and view["world_size"] == size)
 
 
 def _mlp(tmp_path: Path, name: str, queue: str, low: int, high: int) -> dict[str, object]:
