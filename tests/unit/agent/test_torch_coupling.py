@@ -29,10 +29,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     "_stop_workers": ("worker_group",),  # overridden: a grace period per cause
     "_initialize_workers": ("worker_group",),
     "_restart_workers": ("worker_group",),
-    "_rendezvous": ("worker_group",),
+    "_rendezvous": ("worker_group",),  # overridden: times the rendezvous for goodput
     "_start_workers": ("worker_group",),
     "_monitor_workers": ("worker_group",),
-    "_shutdown": ("timeout",),  # by keyword
+    "_shutdown": ("death_sig", "timeout"),  # by keyword
     "_exit_barrier": (),
 }
 
@@ -83,7 +83,7 @@ def test_the_runner_overrides_what_it_means_to_and_nothing_else_private() -> Non
         if name.startswith("_") and not name.startswith("__") and callable(value)
         and hasattr(SimpleElasticAgent, name)
     }
-    assert overridden == {"_invoke_run", "_stop_workers"}, overridden
+    assert overridden == {"_invoke_run", "_stop_workers", "_rendezvous"}, overridden
 
 
 def test_a_constructed_agent_has_the_attributes_the_runner_reads(tmp_path: Any) -> None:
