@@ -161,7 +161,9 @@ def run_variant(name: str, jit: bool, workdir: Path, etcd: EtcdServer, root: str
     client = create_client(EtcdConfig(endpoints=[etcd.endpoint], root=root, timeout_s=10))
     cluster = AgentCluster(etcd_endpoint=etcd.endpoint, etcd_root=root, workdir=workdir,
                            procs=procs)
-    env = {} if jit else {"TIDAL_JIT_SAVE": "0"}
+    # One thread per worker, as the reference gets: three workers with torch's
+    # default threads each oversubscribe a small machine and step slower.
+    env = {"OMP_NUM_THREADS": "1", **({} if jit else {"TIDAL_JIT_SAVE": "0"})}
     job = Assignment(
         job_id="churn",
         command=[sys.executable, str(MLP), "--checkpoint-dir", str(workdir / "ckpt"), *ARGS],
