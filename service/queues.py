@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -39,11 +39,9 @@ def check_limit(guaranteed: int, limit: int | None) -> None:
         raise ValueError(f"limit ({limit}) is less than guaranteed ({guaranteed})")
 
 
-class QueueSpec(BaseModel):
-    """A queue as ``POST /v1/queues`` creates it and ``queues/<name>`` holds it.
-
-    Strict, like :class:`service.models.JobSpec`: ``"2"`` is not a number.
-    """
+class QueueCreate(BaseModel):
+    """``POST /v1/queues``. Strict, like :class:`service.models.JobSpec`: ``"2"`` is not
+    a number."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -63,28 +61,17 @@ class QueueSpec(BaseModel):
         description="Share of the idle slots beyond the guarantees, relative to the other "
         "queues' weights.",
     )
+
+    @model_validator(mode="after")
+    def _limit(self) -> Self:
+        check_limit(self.guaranteed, self.limit)
+        return self
+
+
+class QueueSpec(QueueCreate):
+    """A queue as ``queues/<name>`` holds it (written by the coordinator only)."""
+
     created_at: datetime = Field(default_factory=utcnow)
-
-    @model_validator(mode="after")
-    def _limit(self) -> QueueSpec:
-        check_limit(self.guaranteed, self.limit)
-        return self
-
-
-class QueueCreate(BaseModel):
-    """``POST /v1/queues``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: QueueName
-    guaranteed: int = Field(default=0, ge=0, le=MAX_SLOTS)
-    limit: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
-    weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)
-
-    @model_validator(mode="after")
-    def _limit(self) -> QueueCreate:
-        check_limit(self.guaranteed, self.limit)
-        return self
 
 
 class QueuePatch(BaseModel):

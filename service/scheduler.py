@@ -284,6 +284,7 @@ class _Planner:
         self.preempted: set[str] = set()
         self.shrunk: set[str] = set()  # jobs that gave slots back in this pass
         self.by_queue: dict[str, list[str]] = {}  # queue -> its active jobs, in order
+        self.claims: dict[str, int] = {}  # job -> slots a reclaim made room for, this pass
         self.held: dict[str, str] = {}  # node -> the job a reclaim made room on it for
         # job -> (nodes its gang start placed, its members then); job -> nodes grown
         self.gangs: dict[str, tuple[list[str], int]] = {}
@@ -552,20 +553,23 @@ class _Planner:
         queue = self.queues.get(name) or QueueSpec(name=name)
         return max(0, self.used.get(name, 0) - queue.guaranteed) / queue.weight
 
+    def _claimed(self, name: str) -> int:
+        """Slots reclaims of this pass made room for, for jobs of the queue."""
+        return sum(n for j, n in self.claims.items() if self.view.jobs[j].spec.queue == name)
+
     def _below_min(self, record: JobRecord) -> bool:
         return len(self.members[record.job_id]) < record.spec.min_nodes
 
     def _ahead(self, record: JobRecord) -> int:
-        """Slots held by the jobs of the job's queue that come before it: its own,
-        and those of jobs of its priority or higher."""
+        """Slots held by the job and by the jobs before it in its queue's order
+        (priority, then submission), and the room reclaims made for those this pass."""
         total = 0
+        mine = _order(record)
         for job_id in self.by_queue.get(record.spec.queue, ()):
-            kept = self.members[job_id]
             other = self.view.jobs[job_id]
-            if kept and (
-                job_id == record.job_id or other.spec.priority >= record.spec.priority
-            ):
-                total += len(kept) * other.spec.nproc_per_node
+            if job_id == record.job_id or _order(other) < mine:
+                total += len(self.members[job_id]) * other.spec.nproc_per_node
+                total += self.claims.get(job_id, 0)
         return total
 
     def _owed(self, record: JobRecord) -> bool:
@@ -604,7 +608,8 @@ class _Planner:
         for record in active:
             if record.job_id in self.shrunk:
                 continue  # it just gave slots back: it does not take others
-            room = self._queue(record).guaranteed - self.used.get(record.spec.queue, 0)
+            room = (self._queue(record).guaranteed - self.used.get(record.spec.queue, 0)
+                    - self._claimed(record.spec.queue))
             if room >= record.spec.nproc_per_node and not self._below_min(record):
                 self._grow(record, to_min_only=False, most=room // record.spec.nproc_per_node)
         self._reserve(active)
@@ -622,8 +627,11 @@ class _Planner:
         slots per weight places next (a gang start, else one node of growth),
         in its own order of priority then submission."""
         gangs: dict[str, list[JobRecord]] = {}
+        claiming = {self.view.jobs[j].spec.queue for j in self.claims}
         for record in active:
-            if record.job_id not in self.shrunk:  # it gave its slots back this pass
+            # A job that gave its slots back this pass takes none; a queue for which
+            # a reclaim made room borrows nothing more until that room is used.
+            if record.job_id not in self.shrunk and record.spec.queue not in claiming:
                 gangs.setdefault(record.spec.queue, []).append(record)
         growing: dict[str, list[JobRecord]] = {}
         while gangs or growing:
@@ -699,10 +707,10 @@ class _Planner:
         (nobody gets them in this pass; it starts in the next one).
         """
         queue = self._queue(waiter)
-        owed = max(0, queue.guaranteed - self.used.get(queue.name, 0))
-        victims = [
+        owed = max(0, queue.guaranteed - self.used.get(queue.name, 0) - self._claimed(queue.name))
+        victims = [  # a job gives slots back once a pass
             self.view.jobs[j] for j, kept in self.members.items()
-            if kept and j != waiter.job_id and j not in self.preempted
+            if kept and j != waiter.job_id and j not in self.shrunk
             and not self._below_min(self.view.jobs[j])
         ]
 
@@ -764,6 +772,14 @@ class _Planner:
             for job_id, per_node in self.members.items()
         ]
         need = waiter.spec.min_nodes - len(self.members[waiter.job_id])
+        limit = self._queue(waiter).limit
+        if limit is not None:  # the waiter's queue's limit, once its own victims shrank
+            given_back = sum(len(nodes) * self.view.jobs[j].spec.nproc_per_node
+                             for j, nodes in released.items()
+                             if self.view.jobs[j].spec.queue == waiter.spec.queue)
+            held = self.used.get(waiter.spec.queue, 0) - given_back
+            if held + self._claimed(waiter.spec.queue) + need * waiter.spec.nproc_per_node > limit:
+                return False
         return sum(1 for n in free if self._fits(waiter, n, free, placed)) >= need
 
     def _hold_room(self, waiter: JobRecord, steps: list[tuple[JobRecord, list[str]]]) -> None:
@@ -804,6 +820,9 @@ class _Planner:
         for v, nodes in steps:
             released.setdefault(v.job_id, set()).update(nodes)
         self._hold_room(waiter, steps)
+        spec = waiter.spec
+        self.claims[waiter.job_id] = (
+            (spec.min_nodes - len(self.members[waiter.job_id])) * spec.nproc_per_node)
         queue = waiter.spec.queue
         for job_id, release in sorted(released.items()):
             nodes = sorted(release)

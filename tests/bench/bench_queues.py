@@ -107,7 +107,7 @@ def test_a_day_of_three_queues_keeps_the_slots_busy_and_the_guarantees_met() -> 
     print()
     print(f"{NODES} one-slot nodes, queues (guaranteed, weight) {QUEUES}, offered load "
           f"{LOAD}x, a pass every {DT:g} s, {RESTART_S:g} s per restart, one simulated day")
-    print(f"{'seed':>4} {'busy':>7} {'done':>5} {'preempt':>7} {'shrink':>6} {'plan ms':>7}  "
+    print(f"{'seed':>4} {'busy':>7} {'done':>5} {'preempt':>7} {'shrink':>6} {'pass ms':>7}  "
           "queue: short of guarantee (s) / wait p50, p95, max (min)")
     for seed, stats, per_pass in rows:
         queues = "; ".join(
