@@ -21,8 +21,9 @@ running, and jobs that advance by the slots they hold (nothing for
 from the checkpoint). Three teams' queues, guarantees adding up to the
 cluster, submit a seeded random mix of rigid and elastic jobs around the clock
 at about 1.3 times what the cluster can run. It prints, per queue, the
-guarantee, the time one of its jobs waited within the guarantee beyond the
-one pass a reclaim takes (short of guarantee), the jobs' waits from
+guarantee, the time it held less than its guarantee while one of its waiting
+jobs would have fitted in the difference, beyond the one pass a reclaim takes
+(short of guarantee), the jobs' waits from
 submission to start (p50, p95, max), and overall the slots busy, preemptions
 and shrinks. docs/benchmarks.md holds the figures (target: at
 least 95% of slots busy while the guarantees are met). No assertion on time.

@@ -272,7 +272,8 @@ class DayStats:
     seconds: float
     slot_seconds: float  # capacity over the run
     busy_slot_seconds: float  # slots assigned to jobs
-    # queue -> seconds a job of it waited within its guarantee, beyond one pass
+    # queue -> seconds it held less than its guarantee while a waiting job of it
+    # fitted in the difference, beyond one pass
     short_of_guarantee_s: dict[str, float]
     waits: dict[str, list[float]]  # queue -> submit to first start, per started job
     finished: int
@@ -302,7 +303,7 @@ class Workload:
         self.restart_s = restart_s
         self.t = 0.0
         self.starts: dict[str, float] = {}
-        self.owed: set[str] = set()  # jobs waiting within their queue's guarantee
+        self.short: set[str] = set()  # queues short of their guarantee at the last pass
 
     def run(self, seconds: float, *, on_pass: Callable[[Workload], None] | None = None
             ) -> DayStats:
@@ -343,29 +344,23 @@ class Workload:
         return used
 
     def _guarantees(self, used: dict[str, int], stats: DayStats) -> None:
-        """Count the time a queue had a job waiting, beyond the pass a reclaim
-        takes, whose start was within its guarantee: the slots the queue's jobs
-        of its priority or higher held, plus its minimum, fit the guarantee."""
+        """Count the time a queue held less than its guarantee while one of its
+        waiting jobs would have fitted in the difference, beyond the one pass a
+        reclaim takes."""
         view = self.sim.view
-        held: dict[str, list[tuple[int, int]]] = {}  # queue -> (priority, slots) per job
-        for j, per_node in view.assignments.items():
-            spec = view.jobs[j].spec
-            held.setdefault(spec.queue, []).append(
-                (spec.priority, sum(a.nproc_per_node for a in per_node.values())))
-        owed_now: set[str] = set()
+        short_now: set[str] = set()
         for job_id, record in view.jobs.items():
             spec = record.spec
             queue = view.queues.get(spec.queue)
             if (queue is None or record.phase.is_terminal()
                     or len(view.assignments.get(job_id, {})) >= spec.min_nodes):
                 continue
-            ahead = sum(n for p, n in held.get(spec.queue, []) if p >= spec.priority)
-            if ahead + spec.min_nodes * spec.nproc_per_node <= queue.guaranteed:
-                owed_now.add(job_id)
-        for job_id in owed_now & self.owed:
-            name = view.jobs[job_id].spec.queue
+            if used.get(spec.queue, 0) + spec.min_nodes * spec.nproc_per_node <= (
+                    queue.guaranteed):
+                short_now.add(spec.queue)
+        for name in short_now & self.short:
             stats.short_of_guarantee_s[name] = stats.short_of_guarantee_s.get(name, 0.0) + self.dt
-        self.owed = owed_now
+        self.short = short_now
 
     def _progress(self, stats: DayStats) -> None:
         """Advance every placed job by the last ``dt``; report success or running."""
