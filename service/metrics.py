@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rendezvous.records import JobNodeStatus
-from service.models import EventReason, JobPhase
+from service.models import EventReason, JobPhase, JobRecord
 from service.queues import with_default
 from service.scheduler import view_usage
 from service.store import Snapshot
@@ -36,6 +36,9 @@ from service.store import Snapshot
 # Durations from a millisecond (an API call) to minutes (a reconcile pass under load).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Submit to first step: a start on an idle cluster takes seconds, a queue wait hours.
+FIRST_STEP_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+                      4 * 3600.0, 12 * 3600.0)
 # The reasons the scheduler restarts a job for (JobRecord.restarts); each active
 # job's counter starts at zero for every one, so increase() sees the first.
 JOB_RESTART_REASONS = (EventReason.NODE_LOST, EventReason.NODE_JOINED, EventReason.NODE_DRAINED,
@@ -102,6 +105,12 @@ class CoordinatorMetrics:
             "counted by the leader.",
             registry=registry,
         )
+        self.first_step = Histogram(
+            "tidal_coordinator_queue_first_step_seconds",
+            "Seconds from a job's submission to its first step (its Training condition's "
+            "first true), by queue; observed once per job by the leader.",
+            ["queue"], buckets=FIRST_STEP_BUCKETS, registry=registry,
+        )
         self.reconcile_failures = Counter(
             "tidal_coordinator_reconcile_failures_total",
             "Reconcile passes that ended in an error (etcd unavailable, a crash); the "
@@ -141,6 +150,12 @@ class CoordinatorMetrics:
         self._lock = threading.Lock()
         self._assigned: dict[str, dict[str, int]] = {}  # node -> job -> generation, last pass
         self._pending: dict[str, tuple[int, dict[str, int]]] = {}  # node -> (delete rev, assigned)
+
+    def observe_first_step(self, record: JobRecord) -> None:
+        """Observe ``record``'s submit-to-first-step time if this write gave it one."""
+        if record.first_step_at is not None:
+            seconds = (record.first_step_at - record.created_at).total_seconds()
+            self.first_step.labels(queue=record.spec.queue).observe(max(0.0, seconds))
 
     def node_departed(self, node_id: str, revision: int) -> None:
         """A node record was deleted at ``revision``: count it; classify it at the next pass."""

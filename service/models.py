@@ -372,6 +372,9 @@ class JobRecord(BaseModel):
     created_at: datetime = Field(default_factory=utcnow)
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    # When a worker first reported a step (the Training condition's first true),
+    # once in the job's life: what "submit to first step" is measured against.
+    first_step_at: datetime | None = None
     nodes: dict[str, int] = Field(
         default_factory=dict, description="node -> generation of its assignment (derived)"
     )

@@ -363,6 +363,9 @@ class Reconciler:
                      change.job_id, len(ops), len(batches))
         self.metrics.decisions.labels(action="assign").inc(len(change.put))
         self.metrics.decisions.labels(action="release").inc(len(change.delete))
+        before = snap.view.jobs.get(change.job_id)
+        if before is not None and before.first_step_at is None:
+            self.metrics.observe_first_step(change.record)
         for event in change.events:
             log.info("job %s: %s (%s)", change.job_id, event.message, event.reason.value)
         return True

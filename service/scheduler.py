@@ -1033,6 +1033,8 @@ class _Planner:
         }
         if stepped and not changed:
             node = max(stepped, key=lambda n: (stepped[n] or 0, n))
+            if self.view.jobs[job_id].first_step_at is None:
+                self.change(job_id).record.first_step_at = self.now
             self._condition(job_id, "Training", True, EventReason.TRAINING_STARTED,
                             f"step {stepped[node]} reported by {node}")
         else:

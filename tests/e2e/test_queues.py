@@ -107,5 +107,15 @@ def test_a_guaranteed_job_reclaims_borrowed_nodes_and_the_borrower_loses_no_step
     queues = {q["name"]: q for q in api.get("/v1/queues").json()["queues"]}
     assert (queues["A"]["in_use"], queues["A"]["borrowed"]) == (2, 0)
     assert (queues["B"]["in_use"], queues["B"]["borrowed"]) == (1, 0)
-    metrics = httpx.get(f"{coordinator.url}/metrics", timeout=5).text
+    wait_for(lambda: job_view(api, a_job)["conditions"] and any(
+        c["type"] == "Training" and c["status"] for c in job_view(api, a_job)["conditions"]),
+        timeout=60, what="A's Training condition")
+
+    def first_steps() -> str | None:
+        text = httpx.get(f"{coordinator.url}/metrics", timeout=5).text
+        done = 'tidal_coordinator_queue_first_step_seconds_count{queue="A"} 1.0' in text
+        return text if done else None
+
+    metrics = wait_for(first_steps, timeout=30, what="A's submit-to-first-step observed")
     assert 'tidal_coordinator_queue_reclaims_total{action="shrink",queue="B"} 1.0' in metrics
+    assert 'tidal_coordinator_queue_first_step_seconds_count{queue="B"} 1.0' in metrics

@@ -61,6 +61,7 @@ def coordinator_registry() -> CollectorRegistry:
     metrics.request_duration.labels("/v1/jobs", "GET").observe(0.01)
     metrics.reconcile_duration.observe(0.01)
     metrics.etcd_errors.labels(op="reconcile").inc()
+    metrics.first_step.labels(queue="default").observe(3.0)
     metrics.leader.set(1)
     return registry
 

@@ -11,12 +11,14 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from rendezvous.client import Delete, Put
 from rendezvous.election import NotLeaderError
 from rendezvous.errors import EtcdError, EtcdNoSpaceError, EtcdUnavailableError
 from rendezvous.keys import Keys
+from service.metrics import CoordinatorMetrics
 from service.models import (
     MAX_COMMAND_BYTES,
     MAX_ENV_BYTES,
@@ -284,6 +286,30 @@ def test_a_step_at_the_old_world_size_does_not_count_after_a_rescale() -> None:
     sim.report("j", "a", world_size=1, last_step=6)
     sim.step()
     assert condition(sim, "j", "Training")[0] is True
+
+
+def test_the_first_step_is_recorded_once_and_observed_once_by_queue() -> None:
+    sim = Sim()
+    sim.join(make_node("a"), make_node("b"))
+    sim.submit(make_job("j", min_nodes=1, max_nodes=2))
+    sim.settle()
+    assert sim.job("j").first_step_at is None
+    sim.report("j", "a", last_step=0)
+    sim.report("j", "b", last_step=0)
+    sim.step()
+    first = sim.job("j").first_step_at
+    assert first is not None and first >= sim.job("j").created_at
+    metrics = CoordinatorMetrics(CollectorRegistry())
+    metrics.observe_first_step(sim.job("j"))
+    count = metrics.registry.get_sample_value(
+        "tidal_coordinator_queue_first_step_seconds_count", {"queue": "default"})
+    assert count == 1
+    sim.kill("b")  # a rescale: Training turns false, then true again
+    sim.step()
+    sim.report("j", "a", world_size=1, last_step=7)
+    sim.step()
+    assert condition(sim, "j", "Training")[0] is True
+    assert sim.job("j").first_step_at == first  # the first step of the job's life, kept
 
 
 # which failures are one job's ----------------------------------------------------------------
