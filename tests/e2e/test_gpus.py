@@ -26,10 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
 from tests.support.agents import AgentCluster
-from tests.support.coordinator import TOKEN, CoordinatorProcess, coordinator_and_agents, job_view
-from tests.support.processes import ProcessGroupRegistry
+from tests.support.coordinator import TOKEN, CoordinatorProcess, job_view
 from tests.support.wait import wait_for
 
 # First starts wait up to 300 s: a runner's and its workers' imports took over 180 s
@@ -45,16 +43,6 @@ tmp.write_text(json.dumps({k: os.environ.get(k) for k in keys}))
 os.replace(tmp, out)  # never read half-written
 time.sleep(600)
 """
-
-
-@pytest.fixture
-def cluster(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
-) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    with coordinator_and_agents(
-        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
-    ) as both:
-        yield both
 
 
 @pytest.fixture(autouse=True)

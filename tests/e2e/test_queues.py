@@ -11,28 +11,15 @@ step after the last one it completed at 3 nodes: no completed step is lost.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
 from tests.e2e.test_scheduler import _START, _STEP, MLP
 from tests.support.agents import AgentCluster
-from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents, job_view
-from tests.support.processes import ProcessGroupRegistry
+from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.wait import wait_for
-
-
-@pytest.fixture
-def cluster(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
-) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    with coordinator_and_agents(
-        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
-    ) as both:
-        yield both
 
 
 def _job_logs(root: Path, job_id: str) -> list[str]:

@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from tests.support.agents import (
     processes_of_node,
     statuses,
 )
-from tests.support.coordinator import TOKEN, CoordinatorProcess, coordinator_and_agents, job_view
+from tests.support.coordinator import TOKEN, CoordinatorProcess, job_view
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -50,16 +49,6 @@ NODE = "runner-failures"
 # coordinator's. Measured 0.3-0.6 s under load; generous for a loaded 2-core
 # machine, and far below "for ever".
 FAIL_FAST_S = 20.0
-
-
-@pytest.fixture
-def cluster(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
-) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    with coordinator_and_agents(
-        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
-    ) as both:
-        yield both
 
 
 

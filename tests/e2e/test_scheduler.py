@@ -13,30 +13,17 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
 from tests.support.agents import ELASTIC_DDP, AgentCluster, processes_of_node, read_events
-from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents, job_view
-from tests.support.processes import ProcessGroupRegistry
+from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.wait import wait_for
 
 MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
-
-
-@pytest.fixture
-def cluster(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
-) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
-    with coordinator_and_agents(
-        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
-    ) as both:
-        yield both
 
 
 
