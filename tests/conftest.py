@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd, an etcd client on a private key root, process hygiene."""
+"""Shared fixtures: a real etcd, an etcd client on a private key root, process hygiene, a
+coordinator with an agent cluster."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from rendezvous.client import EtcdClient, EtcdConfig, create_client
 from rendezvous.etcd_server import EtcdServer, etcd_version, find_etcd_binary, is_durable_version
-from tests.support.agents import SESSION_VAR
+from tests.support.agents import SESSION_VAR, AgentCluster
+from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents
 from tests.support.processes import ProcessGroupRegistry
 
 # Every process this session starts inherits it (see tests.support.agents.processes_of_node).
@@ -89,3 +91,15 @@ def procs() -> Iterator[ProcessGroupRegistry]:
         yield registry
     finally:
         registry.stop_all()
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    """A started coordinator and an (empty) agent cluster on the session's etcd; a module
+    that needs another kind of cluster defines its own ``cluster``."""
+    with coordinator_and_agents(
+        tmp_path=tmp_path, etcd_server=etcd_server, etcd_root=etcd_root, procs=procs
+    ) as both:
+        yield both

@@ -39,7 +39,6 @@ from pathlib import Path
 import pytest
 
 from service.scheduler import Policy
-from tests.e2e import test_queues
 from tests.e2e.test_queues import _mlp
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import CoordinatorProcess, job_view
@@ -123,7 +122,6 @@ def test_a_day_of_three_queues_keeps_the_slots_busy_and_the_guarantees_met() -> 
 
 
 RECLAIMS: list[tuple[float, float]] = []  # (A submit -> first step, B's plain start)
-cluster = test_queues.cluster  # the fixture: a coordinator and an agent cluster
 
 
 @pytest.mark.bench
