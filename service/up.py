@@ -378,25 +378,6 @@ class LocalCluster:
             child = self._coordinator if name == "coordinator" else self._agents.get(name)
             return child.restarts if child is not None else 0
 
-    def agent_pid(self, node_id: str) -> int:
-        """The pid (and process group) of ``node_id``'s agent (its latest incarnation).
-
-        Raises:
-            ClusterError: no such agent runs.
-        """
-        with self._lock:
-            return self._agent(node_id).pid
-
-    def agent_run_dir(self, node_id: str) -> Path:
-        """``node_id``'s run directory (its jobs' runner and worker logs).
-
-        Raises:
-            ClusterError: no such agent runs.
-        """
-        run_dir = self._agent(node_id).run_dir
-        assert run_dir is not None
-        return run_dir
-
     def client(self, *, timeout: float = HTTP_TIMEOUT_S) -> httpx.Client:
         """An HTTP client for the API: base URL and bearer token set. Close it after use."""
         return httpx.Client(
