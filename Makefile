@@ -48,7 +48,7 @@ demo-torchrun: setup
 bench: setup
 	$(PY) -m pytest tests -m bench -s $(PYTEST_ARGS)
 
-# The chaos soak for longer than `make test` runs it (40 s of faults): random
+# The chaos soak for longer than `make test` runs it (each kind of fault once): random
 # kills and stops while a job trains; prints the counts, saved to build/chaos-report.json
 # (`python -m tests.chaos.report build/chaos-report.json` prints them again).
 CHAOS_SECONDS ?= 300
