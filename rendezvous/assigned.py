@@ -28,9 +28,10 @@ and each round gets a fresh c10d store at ``P/rdzv/<job>/store/<round>/``
 
 A round's members learn that it is obsolete through :meth:`pending_change`:
 a member was lost (its lease ended, its liveness connection dropped, or it
-came back as a new incarnation), a node is waiting (a newcomer, or a member
-whose workers failed and that re-joined), or a later round was completed
-without this node. The runner (:mod:`agent.runner`) asks on every monitor
+came back as a new incarnation), a member is leaving (a planned leave,
+:meth:`announce_leaving`), a node is waiting (a newcomer, or a member whose
+workers failed and that re-joined), or a later round was completed without
+this node. The runner (:mod:`agent.runner`) asks on every monitor
 tick; it costs no etcd call.
 
 An etcd outage does not break a running round: leases survive a restarted
@@ -110,18 +111,28 @@ class Member:
 
 @dataclass(frozen=True)
 class JoinRecord:
-    """A node's wish to be in round ``round`` (or a later one)."""
+    """A node's wish to be in round ``round`` (or a later one).
+
+    ``leaving``: the node is on its way out (a planned leave: its assignment
+    was removed and its workers wait for the others to resize without them).
+    Such a record makes no round wait and is never a member of a new one.
+    """
 
     member: Member
     round: int
+    leaving: bool = False
 
     def to_json(self) -> bytes:
-        return json.dumps({"round": self.round, **self.member.to_dict()}).encode()
+        data: dict[str, object] = {"round": self.round, **self.member.to_dict()}
+        if self.leaving:
+            data["leaving"] = True
+        return json.dumps(data).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> JoinRecord:
         raw = json.loads(data)
-        return cls(member=Member.from_dict(raw), round=int(raw["round"]))
+        return cls(member=Member.from_dict(raw), round=int(raw["round"]),
+                   leaving=raw.get("leaving", False) is True)
 
 
 @dataclass(frozen=True)
@@ -163,7 +174,7 @@ class Fence:
 class Change:
     """Why the current round is obsolete."""
 
-    kind: str  # "lost", "waiting" or "superseded"
+    kind: str  # "lost", "leaving", "waiting" or "superseded"
     nodes: frozenset[str]
 
 
@@ -250,6 +261,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._mine: RoundRecord | None = None  # the round this node is in
         self._lost: set[str] = set()  # members of that round lost since
         self._wanted = 0  # the round this node's record asks for
+        self._leaving = False  # announce_leaving() was called: every put says so
         self._incarnation = uuid.uuid4().hex[:12]
 
         self._server: LivenessServer | None = None
@@ -362,10 +374,21 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 return Change("superseded", frozenset())
             if self._lost:
                 return Change("lost", frozenset(self._lost))
+            leaving = self._leaving_locked(mine)
+            if leaving:
+                return Change("leaving", leaving)
             waiting = self._waiting_locked()
             if waiting:
                 return Change("waiting", waiting)
             return None
+
+    def _leaving_locked(self, mine: RoundRecord) -> frozenset[str]:
+        """Members of this node's round whose record (this incarnation's) says leaving."""
+        return frozenset(
+            m.node for m in mine.members
+            if m.node != self._node and (j := self._joins.get(m.node)) is not None
+            and j.leaving and j.member.incarnation == m.incarnation
+        )
 
     def _waiting_locked(self) -> frozenset[str]:
         """Nodes that want a round after this node's: members that re-joined,
@@ -377,7 +400,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         room = mine is None or len(nodes) < self._max
         return frozenset(
             n for n, j in self._joins.items()
-            if n != self._node and j.round > number
+            if n != self._node and j.round > number and not j.leaving
             and j.member.incarnation not in self._dead
             and (room or n in nodes)
         )
@@ -386,6 +409,39 @@ class AssignedRendezvousHandler(RendezvousHandler):
         """The members of this node's current (or last) round."""
         with self._cond:
             return frozenset(self._mine.nodes()) if self._mine else frozenset()
+
+    def announce_leaving(self) -> bool:
+        """Say that this node is on its way out (a planned leave), without leaving yet.
+
+        The join record is put again with the same round and incarnation and
+        ``leaving`` set: the other members see :meth:`pending_change` kind
+        ``"leaving"`` and form the next round without this node while its
+        workers go on; :meth:`leave` follows once they are done. The put is
+        not fenced by the assignment (which a planned leave has usually
+        removed already): it only takes this node out of rounds, and holds
+        only while the record is still there under this runner's lease.
+
+        Returns:
+            Whether the record says leaving now (False: it was gone, or etcd
+            did not answer; the caller leaves the ordinary way).
+        """
+        with self._cond:
+            wanted = self._wanted
+            self._leaving = True
+        if self._stopped.is_set() or self._server is None or self._lease is None:
+            return False
+        lease = self._lease.lease_id
+        key = self._joins_prefix + self._node
+        record = JoinRecord(self._me(), wanted, leaving=True)
+        try:
+            result = self._client.txn([Compare(key, "lease", "==", lease)],
+                                      [Put(key, record.to_json(), lease)])
+        except EtcdError as exc:
+            log.warning("cannot announce that node %s leaves: %s", self._node, exc)
+            return False
+        if result.succeeded:
+            log.info("node %s announced that it leaves job %s", self._node, self._run_id)
+        return result.succeeded
 
     def leave(self) -> None:
         """Leave without closing: the others go on without this node."""
@@ -432,7 +488,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         """Put this node's join record, asking for round ``target``."""
         with self._cond:
             self._wanted = target
-        record = JoinRecord(self._me(), target)
+        record = JoinRecord(self._me(), target, leaving=self._leaving)
         deadline = time.monotonic() + self._join_timeout_s
         delay = 0.1
         while True:
@@ -518,7 +574,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         joined: dict[str, Member] = {}
         pending: list[str] = []
         for node, join in joins.items():
-            if join.member.incarnation in dead:
+            if join.member.incarnation in dead or join.leaving:
                 continue
             if join.round >= target:
                 joined[node] = join.member

@@ -256,3 +256,49 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     c4 = make("c", expected={"a", "b", "c"}, fence=Fence(fences["c"].key, 4))
     a._expected_nodes = b._expected_nodes = lambda: {"a", "b", "c"}  # c is placed again
     assert [i.world_size for i in together(a, b, c4)] == [3, 3, 3]
+
+
+def test_a_leaving_member_is_left_out_of_the_next_round_without_waiting_for_it(
+    make: Make, etcd_client: EtcdClient, etcd_config: EtcdConfig
+) -> None:
+    # A planned leave (a drain, a PATCH down, a reclaim): c says it leaves and
+    # stays up until the others resized. c is still assigned as far as a and b
+    # know: if the round waited for it (its record, its assignment), it would
+    # time out after join_timeout_s.
+    fences = {n: Fence(_assign(etcd_client, etcd_config.root, n, 1), 1) for n in "abc"}
+    a, b, c = (make(n, expected={"a", "b", "c"}, join_timeout_s=10, fence=fences[n])
+               for n in "abc")
+    assert [i.world_size for i in together(a, b, c)] == [3, 3, 3]
+    etcd_client.delete(fences["c"].key)  # the coordinator withdrew c's assignment first
+    assert c.announce_leaving()
+    for handler in (a, b):
+        change = wait_for(handler.pending_change, timeout=10, what="c's leaving seen")
+        assert (change.kind, change.nodes) == ("leaving", frozenset({"c"}))
+    assert a.num_nodes_waiting() == 0
+    infos = together(a, b)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert a.participants() == b.participants() == {"a", "b"}
+    assert a.pending_change() is None and b.pending_change() is None
+
+    # c's record and liveness port go only now, after the new round: no loss of it.
+    c.leave()
+    d = make("d")
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(d.next_rendezvous)
+        # d's record comes after c's delete in the watch: a saw both once it sees d.
+        change = wait_for(a.pending_change, timeout=10, what="a to see d waiting")
+        assert (change.kind, change.nodes) == ("waiting", frozenset({"d"}))
+        d.close()
+        with pytest.raises(RendezvousClosedError):
+            late.result(timeout=30)
+
+
+def test_leaving_is_not_announced_once_the_record_is_gone(
+    make: Make, etcd_client: EtcdClient, etcd_config: EtcdConfig
+) -> None:
+    a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
+    together(a, b)
+    key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/b"
+    etcd_client.delete(key)  # its lease ended meanwhile: the put must not bring it back
+    assert not b.announce_leaving()
+    assert etcd_client.get(key) is None
