@@ -10,6 +10,9 @@ reconciles, level-triggered, what should run against what runs:
 * a runner whose assignment is gone (cancelled, scaled down, drained): SIGTERM
   it (its workers get SIGTERM, checkpoint and exit; the node leaves the
   rendezvous, the others go on), then SIGKILL after the grace period;
+* an assignment rewritten in place (the same generation, new bounds only: a
+  PATCH, :mod:`agent.bounds`): the runner goes on, and follows the bounds
+  itself; the daemon takes them over once the job's record confirms them;
 * a runner that exited: remember the generation, never rerun it; if it
   could not say how its job ended (SIGKILLed, crashed), write that in its
   place and restart it, charged to the job's budget, or fail the job with
@@ -32,7 +35,7 @@ job's workers start again in about a second, as after a worker's death,
 rather than after a cold runner's ``import torch``; none is kept there when
 no running job has restarts to spend (:func:`wants_warm_runner`). A runner
 being stopped frees its slots for this, and a runner stopped because its job
-got a new generation (new bounds) gets a warm successor at once.
+got a new generation here gets a warm successor at once.
 
 Runners are started from the main thread with the parent-death signal set, so
 a SIGKILLed daemon takes its runners, and they their workers, with it.
@@ -56,6 +59,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from agent.admission import AssignmentGate
+from agent.bounds import take_over
 from agent.gpu_metrics import GpuCollector
 from agent.gpu_node import NodeGpus, NoDevicesError
 from agent.jobpaths import JobSetupError, check_job_paths
@@ -75,7 +79,7 @@ from agent.spec import (
 from agent.supervise import Action, after_exit
 from agent.workeruser import ENV_WORKER_USER, lookup, private_dir
 from agent.zygote import TITLE_ROOM
-from rendezvous.client import EtcdClient, WatchEvent, create_client
+from rendezvous.client import EtcdClient, KeyValue, WatchEvent, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.records import (
     RUNNER_RANK,
@@ -381,17 +385,29 @@ class Agent:
             job_id = assignment.job_id
             runner = self.state.runners.get(job_id)
             done = self.state.finished.get(job_id)
-            started = {r.assignment.generation
-                       for r in (runner, self.state.exited.get(job_id)) if r is not None}
+            live = [r.assignment for r in (runner, self.state.exited.get(job_id)) if r is not None]
+            started = {a.generation for a in live}
             if done is not None:
                 started.add(done[0])
             if assignment.generation in started:
-                desired[job_id] = assignment  # admitted when it started
+                # Admitted when it started; new bounds written in place are taken
+                # over once the job's record confirms them (agent.bounds).
+                running = next((a for a in live if a.generation == assignment.generation), None)
+                desired[job_id] = assignment if running is None else self._in_place(
+                    key, kv, running, assignment)
             elif self._gate.admitted(key, kv, assignment):
                 desired[job_id] = assignment
             elif runner is not None:
                 desired[job_id] = runner.assignment
         return desired
+
+    def _in_place(self, key: str, kv: KeyValue, running: Assignment,
+                  written: Assignment) -> Assignment:
+        """``running``, with the bounds ``written`` gives it in place if its job's record
+        says the same (:mod:`agent.admission`); nothing else is ever taken over."""
+        gate = self._gate
+        assert gate is not None
+        return take_over(running, written, lambda: gate.admitted(key, kv, written))
 
     # reconcile -----------------------------------------------------------------
 
@@ -410,11 +426,15 @@ class Agent:
             if wanted is None or wanted.generation != runner.assignment.generation:
                 if wanted is not None and runner.stop_deadline is None:
                     if self.metrics is not None:
-                        self.metrics.count_restart(job_id, SCALED)  # only bounds change it
+                        self.metrics.count_restart(job_id, SCALED)  # a new generation here
                     # The next generation's runner is wanted as soon as this one is
                     # gone: have a warm one ready by then (stopping takes seconds).
                     self._warm_due = 0.0
                 self._stop_runner(job_id, runner)
+            elif wanted != runner.assignment:  # new bounds, in place: nothing restarts
+                log.info("job %s: bounds now %d..%d nodes; its runner follows them",
+                         job_id, wanted.min_nodes, wanted.max_nodes)
+                runner.assignment = wanted
         for job_id, assignment in desired.items():
             if job_id in self.state.runners or job_id in self.state.exited:
                 continue
@@ -483,7 +503,8 @@ class Agent:
         if aftermath.action == Action.RESTART and aftermath.status is not None:
             if self.metrics is not None:
                 self.metrics.count_restart(job_id, RestartReason.WORKER_FAILED.value)
-            self._start_runner(assignment, prior=aftermath.status)
+            # ``wanted``: the same generation here, with the bounds taken over since.
+            self._start_runner(wanted or assignment, prior=aftermath.status)
         else:
             self.state.finished[job_id] = (assignment.generation, exited.code)
 

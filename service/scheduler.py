@@ -14,9 +14,12 @@ The rules, level-triggered (the same view always gives the same plan):
 * an assignment on a node that is gone (lease expired) or that left the job
   (its runner stopped) is removed: the job shrinks; one on a draining node is
   removed too (the agent drains it: SIGTERM, checkpoint, exit);
-* when the user changed min/max, the job's remaining assignments are
-  rewritten with the new bounds (a graceful restart from the checkpoint) and
-  nodes beyond the new maximum are released, the newest first;
+* when the user changed min/max, nodes beyond the new maximum are released,
+  the newest first (like a drain), and the job's remaining assignments are
+  rewritten *in place* with the new bounds, at the generation they hold
+  (:func:`with_bounds`): an agent restarts a runner only for a new
+  generation, and a runner follows its assignment's bounds while it runs
+  (agent.bounds), so a PATCH that changes no membership restarts nothing;
 * free capacity goes first to jobs that are below their minimum, as a gang
   (a job gets nodes only if its minimum fits), then to growing jobs toward
   their maximum; both in order of priority, then submission time (FIFO);
@@ -144,6 +147,16 @@ def assignment_for(record: JobRecord, generation: int) -> Assignment:
         checkpoint_dir=record.checkpoint_path,
         grace_period_s=spec.grace_period_s,
     )
+
+
+def with_bounds(assignment: Assignment, min_nodes: int, max_nodes: int) -> Assignment:
+    """``assignment`` with new bounds and nothing else changed, its generation included.
+
+    The agent of its node keeps the runner it runs (it compares generations)
+    and the runner takes the bounds over (agent.bounds): new bounds alone
+    restart nothing.
+    """
+    return assignment.model_copy(update={"min_nodes": min_nodes, "max_nodes": max_nodes})
 
 
 def statuses_in_force(
@@ -289,6 +302,9 @@ class _Planner:
         # job -> (nodes its gang start placed, its members then); job -> nodes grown
         self.gangs: dict[str, tuple[list[str], int]] = {}
         self.grown: dict[str, list[str]] = {}
+        # job -> nodes whose assignment this pass rewrites in place (new bounds only):
+        # not a change of membership (see _settle_phase)
+        self.rebounded: dict[str, set[str]] = {}
         self.changes: dict[str, JobChange] = {}
         self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
         self.free: dict[str, int] = {}
@@ -499,7 +515,8 @@ class _Planner:
                        f"node(s) {names(drained)} drained", drained)
 
     def _rebound(self, record: JobRecord) -> None:
-        """Apply the user's min/max: release the surplus, restart the rest with new bounds."""
+        """Apply the user's min/max: release the surplus (the newest nodes first), and
+        rewrite the bounds of the rest in place (:func:`with_bounds`: no restart)."""
         job_id = record.job_id
         spec = record.spec
         kept = self.members[job_id]
@@ -518,14 +535,17 @@ class _Planner:
             if (a.min_nodes, a.max_nodes) != (spec.min_nodes, spec.max_nodes)
         ]
         for node_id in sorted(stale):
-            kept[node_id] = self.new_assignment(job_id)
+            kept[node_id] = with_bounds(kept[node_id], spec.min_nodes, spec.max_nodes)
             self.change(job_id).put[node_id] = kept[node_id]
-        if released or stale:
+            self.rebounded.setdefault(job_id, set()).add(node_id)
+        if released:  # the others go on without them: a change of membership
             self.count_restart(job_id, EventReason.SCALED_BY_USER)
+        if released or stale:
             self.event(
                 job_id, EventReason.SCALED_BY_USER,
                 f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes"
-                + (f"; released {names(released)}" if released else ""),
+                + (f"; released {names(released)}" if released
+                   else f"; {len(kept)} node(s) go on, nothing restarts"),
                 released,
             )
 
@@ -979,8 +999,10 @@ class _Planner:
         if record.nodes != placed:
             self.change(job_id).record.nodes = placed
         spec = record.spec
+        # New bounds written in place change no membership: the job stays as it is.
         changed = job_id in self.changes and bool(
-            self.changes[job_id].put or self.changes[job_id].delete
+            self.changes[job_id].put.keys() - self.rebounded.get(job_id, set())
+            or self.changes[job_id].delete
         )
         current = self.changes[job_id].record if job_id in self.changes else record
         if len(kept) < spec.min_nodes:

@@ -332,7 +332,7 @@ def test_slots_freed_by_a_cancel_are_given_out_in_the_same_pass() -> None:
 # PATCH -----------------------------------------------------------------------------------
 
 
-def test_lowering_max_releases_the_newest_nodes_and_restarts_the_rest_anew() -> None:
+def test_lowering_max_releases_the_newest_nodes_and_rewrites_the_rest_in_place() -> None:
     sim = cluster(1, 1)
     sim.submit(make_job("j", min_nodes=1, max_nodes=4))
     running(sim, "j")
@@ -344,18 +344,56 @@ def test_lowering_max_releases_the_newest_nodes_and_restarts_the_rest_anew() -> 
     sim.patch("j", max_nodes=2)
     [change] = sim.step()
     assert sorted(change.delete) == newest
-    assert set(change.put) == {"n1", "n2"}
-    top = max(a.generation for a in old.values())
-    for a in change.put.values():
-        assert a.generation > top
-        assert (a.min_nodes, a.max_nodes) == (1, 2)
-    assert len({a.generation for a in change.put.values()}) == 2
+    # The others keep their generation (their runners go on) with the new bounds.
+    assert change.put == {n: old[n].model_copy(update={"max_nodes": 2}) for n in ("n1", "n2")}
     [scaled] = [e for e in change.events if e.reason == EventReason.SCALED_BY_USER]
-    assert scaled.nodes == newest
-    assert sim.phase("j") == JobPhase.RESCALING
+    assert scaled.nodes == newest and "released n3, n4" in scaled.message
+    assert sim.phase("j") == JobPhase.RESCALING  # the membership changed
     assert sim.job("j").restarts["scaled_by_user"] == 1
     running(sim, "j")
     assert sim.placed("j") == {"n1", "n2"}
+    assert sim.job("j").nodes == {n: old[n].generation for n in ("n1", "n2")}
+
+
+def test_new_bounds_that_change_no_membership_rewrite_the_assignments_in_place() -> None:
+    sim = cluster(1, 1)
+    sim.submit(make_job("j", min_nodes=2, max_nodes=2))
+    running(sim, "j")
+    for node in ("n1", "n2"):
+        sim.report("j", node, last_step=7)
+    sim.step()
+    assert condition(sim, "j", "Training")[0]
+    old = {n: sim.assignment("j", n) for n in sim.placed("j")}
+    before = sim.job("j")
+    sim.patch("j", min_nodes=1, max_nodes=4)  # nowhere to grow: n1 and n2 are full
+    [change] = sim.step()
+    assert change.delete == []
+    assert change.put == {n: a.model_copy(update={"min_nodes": 1, "max_nodes": 4})
+                          for n, a in old.items()}
+    after = sim.job("j")
+    assert after.nodes == before.nodes  # same generations: no agent restarts a runner
+    assert after.restarts == before.restarts
+    assert after.phase == JobPhase.RUNNING
+    assert condition(sim, "j", "Running")[0] and condition(sim, "j", "Training")[0]
+    [scaled] = [e for e in change.events if e.reason == EventReason.SCALED_BY_USER]
+    assert scaled.nodes == [] and "nothing restarts" in scaled.message
+    assert sim.step() == []  # level-triggered: done once
+    sim.join(make_node("n3"))  # the new maximum takes effect: the job grows
+    sim.step()
+    assert sim.placed("j") == {"n1", "n2", "n3"}
+    assert sim.assignment("j", "n3").max_nodes == 4
+    assert {sim.assignment("j", n).generation for n in old} == {a.generation for a in old.values()}
+
+
+def test_raising_min_above_the_live_count_keeps_the_generations_while_pending() -> None:
+    sim = cluster(1, 1)
+    sim.submit(make_job("j", min_nodes=1, max_nodes=4))
+    running(sim, "j")
+    old = {n: sim.assignment("j", n).generation for n in sim.placed("j")}
+    sim.patch("j", min_nodes=3)
+    sim.step()
+    assert sim.phase("j") == JobPhase.PENDING
+    assert {n: sim.assignment("j", n).generation for n in sim.placed("j")} == old
 
 
 def test_raising_min_above_the_live_count_makes_the_job_pending() -> None:
@@ -462,7 +500,9 @@ def test_a_report_for_an_older_generation_is_ignored(state: JobNodeState) -> Non
     sim.submit(make_job("j", min_nodes=1, max_nodes=2))
     running(sim, "j")
     old = sim.assignment("j", "n1").generation
-    sim.patch("j", max_nodes=3)  # both nodes get a new generation
+    sim.drain("n1")  # n1 leaves the job, and comes back at a new generation
+    sim.step()
+    sim.undrain("n1")
     sim.step()
     assert sim.assignment("j", "n1").generation > old
     # The runner of the old generation ends (stopped, or it had just finished):

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from rendezvous.records import JobNodeState, WorkerError
+from rendezvous.records import Assignment, JobNodeState, WorkerError
 from rendezvous.registry import NodeInfo
 from service.models import TRANSITIONS, JobPhase, JobRecord
 from service.scheduler import ClusterView, JobChange, plan
@@ -64,6 +64,19 @@ def fits(record: JobRecord, info: NodeInfo) -> bool:
     return all(info.labels.get(k) == v for k, v in record.spec.node_selector.items())
 
 
+def new_generations(
+    held: dict[str, Assignment], put: dict[str, Assignment]
+) -> dict[str, Assignment]:
+    """The assignments of ``put`` that hand out a generation: all but those that
+    rewrite a node's assignment in place (same generation, only the bounds differ)."""
+    return {
+        node_id: a for node_id, a in put.items()
+        if node_id not in held or held[node_id].generation != a.generation
+        or a != held[node_id].model_copy(
+            update={"min_nodes": a.min_nodes, "max_nodes": a.max_nodes})
+    }
+
+
 def check_pass(before: ClusterView, changes: list[JobChange], after: ClusterView,
                generations: dict[str, set[int]]) -> None:
     """What must hold of one pass from ``before`` to ``after``."""
@@ -83,13 +96,19 @@ def check_pass(before: ClusterView, changes: list[JobChange], after: ClusterView
         ), f"{job_id}: events not numbered from {old.next_event}"
         for reason, count in old.restarts.items():
             assert new.restarts.get(reason, 0) >= count
+        held = before.assignments.get(job_id, {})
+        fresh = new_generations(held, change.put)
         for node_id, a in change.put.items():
+            if node_id not in fresh:  # new bounds written in place: nothing restarts
+                assert (a.min_nodes, a.max_nodes) == (new.spec.min_nodes, new.spec.max_nodes)
+                assert a != held[node_id], f"{job_id}: {node_id}'s assignment written again"
+                continue
             assert old.next_generation <= a.generation < new.next_generation
             assert a.generation not in generations.setdefault(job_id, set()), (
                 f"{job_id}: generation {a.generation} given again (to {node_id})"
             )
             generations[job_id].add(a.generation)
-        assert len({a.generation for a in change.put.values()}) == len(change.put)
+        assert len({a.generation for a in fresh.values()}) == len(fresh)
 
     used: dict[str, int] = {}
     for job_id, record in after.jobs.items():
@@ -302,7 +321,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         written = [*changes[:cut], partial]
         for c in written:
-            for node_id, a in c.put.items():
+            held = self.sim.view.assignments.get(c.job_id, {})
+            for node_id, a in new_generations(held, c.put).items():
                 assert a.generation not in self.generations.setdefault(c.job_id, set()), (
                     f"{c.job_id}: generation {a.generation} given again (to {node_id})"
                 )
