@@ -43,8 +43,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from agent.live import FALLBACK_CAUSES
 from agent.status import (
     GOODPUT_CAUSES,
+    LIVE_BUCKETS,
+    RESIZE_PATHS,
+    RESIZE_REASONS,
     RUNNER_METRICS_FILE,
     HistogramData,
     ProgressSummary,
@@ -93,6 +97,9 @@ class _JobTotals:
     values: dict[str, float]
     productive: float = 0.0
     lost: dict[str, float] = field(default_factory=dict)
+    resizes: dict[tuple[str, str], int] = field(default_factory=dict)  # (path, reason)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    live_seconds: HistogramData = field(default_factory=lambda: HistogramData.empty(LIVE_BUCKETS))
 
 
 def _add_histogram(into: dict[str, HistogramData], key: str, hist: HistogramData) -> None:
@@ -129,6 +136,15 @@ def sum_runner_metrics(files: Iterable[RunnerMetrics]) -> _JobTotals:
         totals.productive += data.productive_seconds
         for cause, seconds in data.lost_seconds.items():
             totals.lost[cause] = totals.lost.get(cause, 0.0) + seconds
+        for path, reasons in data.resizes.items():
+            for reason, count in reasons.items():
+                totals.resizes[path, reason] = totals.resizes.get((path, reason), 0) + count
+        for cause, count in data.live_fallbacks.items():
+            totals.fallbacks[cause] = totals.fallbacks.get(cause, 0) + count
+        try:
+            totals.live_seconds = totals.live_seconds.merged(data.live_resize_seconds)
+        except ValueError as exc:
+            log.warning("metrics: not adding live resize durations: %s", exc)
     return totals
 
 
@@ -233,12 +249,27 @@ class _Families:
             "tidal_agent_job_lost_seconds",
             "Seconds of this node's training lost, by cause: detection, rendezvous, restart, "
             "redone (steps done again), checkpoint_stall.", labels=["job_id", "cause"])
+        self.resizes = CounterMetricFamily(
+            "tidal_agent_job_resizes",
+            "Membership changes this node's runner handled, by the way taken (mode live: the "
+            "workers re-formed their group in place; restart: from the newest state) and "
+            "reason (join, leave, lost).", labels=["job_id", "mode", "reason"])
+        self.fallbacks = CounterMetricFamily(
+            "tidal_agent_job_live_fallbacks",
+            "Planned membership changes that took the restart path, by cause (not_capable, "
+            "timeout, worker_exited, membership_changed, not_announced).",
+            labels=["job_id", "cause"])
+        self.live_seconds = HistogramMetricFamily(
+            "tidal_agent_job_live_resize_seconds",
+            "Live resizes: the runner noticing the change -> every worker of this node "
+            "re-formed its group in the new round.", labels=job)
 
     def all(self) -> list[Metric]:
         return [self.info, self.world, self.state, self.restarts, self.exits, self.recovery,
                 self.step, self.ckpt_step, self.ckpt_time, self.save, self.stall,
                 self.save_failing, self.rate, self.loss, self.progress_time, self.exit_code,
-                self.calls, self.call_seconds, self.values, self.productive, self.lost]
+                self.calls, self.call_seconds, self.values, self.productive, self.lost,
+                self.resizes, self.fallbacks, self.live_seconds]
 
 
 class JobStatusCollector(Collector):
@@ -348,6 +379,13 @@ class JobStatusCollector(Collector):
         lost = dict.fromkeys(GOODPUT_CAUSES, 0.0) | totals.lost
         for cause, seconds in sorted(lost.items()):
             fam.lost.add_metric([job_id, cause], seconds)
+        resizes = {(p, r): 0 for p in RESIZE_PATHS for r in RESIZE_REASONS} | totals.resizes
+        for (path, reason), count in sorted(resizes.items()):
+            fam.resizes.add_metric([job_id, path, reason], count)
+        for cause, count in sorted((dict.fromkeys(FALLBACK_CAUSES, 0) | totals.fallbacks).items()):
+            fam.fallbacks.add_metric([job_id, cause], count)
+        live = totals.live_seconds
+        fam.live_seconds.add_metric([job_id], live.cumulative(), live.sum)
 
     def _add_progress(self, fam: _Families, job_id: str, s: ProgressSummary) -> None:
         job = [job_id]

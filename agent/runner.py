@@ -14,6 +14,14 @@ changes, in :class:`TidalElasticAgent`:
   node drains) the workers get SIGTERM, then SIGKILL after the grace period,
   and the runner leaves the rendezvous without closing it, so the other nodes
   go on without it; torch's launcher would close it for everyone;
+* **planned changes are live.** When a node joins or announces that it
+  leaves, and every local worker can take the live path (:mod:`agent.live`),
+  the runner forms the next round while its workers train and tells them the
+  new membership; they re-form their process group in place. A leaving node
+  (SIGTERM) announces it, tells its workers, and waits for them to exit once
+  the others resized. Whatever goes wrong (a worker that does not answer in
+  ``live_timeout``, one that exits, another change meanwhile) falls back to
+  the restart path, and the status and metrics say which path was taken;
 * **status** goes to etcd (:mod:`agent.status`), with the root cause of a
   failure: exit code, signal, and the traceback from the error file torch's
   ``@record`` writes, or the tail of the rank's stderr.
@@ -43,14 +51,20 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from agent import live
 from agent.admission import record_nodes
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
-from agent.status import RUNNER_METRICS_FILE, StatusReporter
+from agent.status import LIVE, RESTART, RUNNER_METRICS_FILE, StatusReporter
 from agent.zygote import ZygoteProcess
 from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
-from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError, Fence
+from rendezvous.assigned import (
+    AssignedRendezvousHandler,
+    AssignmentWithdrawnError,
+    Change,
+    Fence,
+)
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import (
@@ -74,6 +88,19 @@ JIT_ACK_S = 0.5
 JIT_STALL_S = 2.0
 # How long a new runner waits for its zygote (agent.zygote) before joining.
 ZYGOTE_READY_TIMEOUT_S = 60.0
+# A live resize (agent.live): how long the workers have to re-form their group
+# (rdzv_conf "live_timeout"), how often the runner looks, and how much of the
+# grace period a planned leave leaves to the restart path if it gives up.
+LIVE_TIMEOUT_S = 60.0
+LIVE_POLL_S = 0.02
+LEAVE_MARGIN_S = 5.0
+# Changes of a healthy group: the live path is tried for these.
+PLANNED = ("waiting", "leaving")
+
+
+def resize_reason(kind: str) -> str:
+    """A membership change's reason label (agent.status.RESIZE_REASONS) from its kind."""
+    return {"waiting": "join", "leaving": "leave"}.get(kind, "lost")
 
 
 def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
@@ -154,13 +181,17 @@ class TidalElasticAgent(LocalElasticAgent):
         *,
         reporter: StatusReporter,
         progress_dir: Path | None = None,
+        live_timeout_s: float = LIVE_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
-        # Where the workers' progress and just-in-time save reports are.
+        # Where the workers' progress, just-in-time save and live resize files are.
         self._progress_dir = progress_dir
         if progress_dir is not None:
             clear_reports(progress_dir)
+            live.clear_live_files(progress_dir)
+        self._live_timeout_s = live_timeout_s
+        self._resizing = False  # a live resize is under way: no planned leave now
         if not isinstance(spec.rdzv_handler, AssignedRendezvousHandler):
             raise TypeError("TidalElasticAgent needs an AssignedRendezvousHandler")
         self._handler: AssignedRendezvousHandler = spec.rdzv_handler
@@ -195,6 +226,7 @@ class TidalElasticAgent(LocalElasticAgent):
             self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
         if self._progress_dir is not None:
             clear_reports(self._progress_dir)
+            live.clear_live_files(self._progress_dir)
 
     def _await_jit_saves(self) -> bool:
         """Tell the workers a peer is gone; wait for their just-in-time saves (bounded).
@@ -240,12 +272,20 @@ class TidalElasticAgent(LocalElasticAgent):
             remaining_restarts=self._budget,
         )
 
-    def _notice_recovery(self) -> None:
+    def _notice_recovery(self, at: float | None = None) -> None:
         """A failure or membership change is noticed: the recovery clock starts."""
         restarts = self._worker_group.spec.max_restarts - self._remaining_restarts
-        self._reporter.recovery_noticed(restart_count=restarts)
+        self._reporter.recovery_noticed(restart_count=restarts, at=at)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return self._run_group()
+        except SignalException as exc:
+            if exc.sigval == signal.SIGTERM:
+                self._leave_live()
+            raise
+
+    def _run_group(self) -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
         members = self._handler.participants()
@@ -271,6 +311,8 @@ class TidalElasticAgent(LocalElasticAgent):
                 reason = membership_reason(members, new_members)
                 self._reporter.count_restart(reason or RestartReason.WORKER_FAILED)
                 if reason is not None:
+                    joined = reason == RestartReason.NODE_JOINED
+                    self._reporter.count_resize(RESTART, "join" if joined else "lost")
                     log.info("a peer left or joined: restarting without charging the budget")
                 elif self._budget > 0:
                     self._budget -= 1
@@ -286,11 +328,18 @@ class TidalElasticAgent(LocalElasticAgent):
             change = self._handler.pending_change()
             if change is None:
                 continue
+            fallback = None
+            if change.kind in PLANNED:
+                fallback = self._live_blocker()
+                if fallback is None:
+                    members = self._live_resize(change, members)
+                    continue
             self._notice_recovery()
-            if change.kind == "waiting":
+            if change.kind in PLANNED:
                 # A healthy group: give the workers their grace to checkpoint.
-                log.info("node(s) %s waiting to join: restarting with them",
-                         ", ".join(sorted(change.nodes)))
+                log.info("node(s) %s %s: restarting the group (%s)",
+                         ", ".join(sorted(change.nodes)),
+                         "waiting to join" if change.kind == "waiting" else "leaving", fallback)
                 self._stop_timeout_s = self._grace_s
             else:
                 # A peer is gone (or the others went on without us): the group
@@ -304,8 +353,145 @@ class TidalElasticAgent(LocalElasticAgent):
             default = (RestartReason.NODE_JOINED if change.kind == "waiting"
                        else RestartReason.NODE_LOST)
             self._reporter.count_restart(membership_reason(members, new_members) or default)
+            self._reporter.count_resize(RESTART, resize_reason(change.kind), fallback)
             members = new_members
             self._report_running()
+
+    # the live path (agent.live) --------------------------------------------------------
+
+    def _live_blocker(self) -> str | None:
+        """Why the group cannot take the live path now (a fallback cause), None if it can."""
+        group = self._worker_group
+        if self._progress_dir is None or self._pcontext is None or (
+            group.state != WorkerState.HEALTHY
+        ):
+            return live.NOT_CAPABLE
+        return live.blocker(live.read_workers(self._progress_dir),
+                            [w.local_rank for w in group.workers], _alive)
+
+    def _live_resize(self, change: Change, members: frozenset[str]) -> frozenset[str]:
+        """Form the next round with the workers running, and have them re-form their group.
+
+        Falls back to restarting the group (in the round just formed) when the
+        workers do not all answer in time. Returns the new round's members.
+        """
+        assert self._progress_dir is not None
+        group = self._worker_group
+        reason = resize_reason(change.kind)
+        noticed_at, noticed = time.time(), time.monotonic()
+        log.info("node(s) %s %s: resizing the group live", ", ".join(sorted(change.nodes)),
+                 "waiting to join" if change.kind == "waiting" else "leaving")
+        ids = {w.local_rank: w.id for w in group.workers}
+        self._resizing = True
+        try:
+            self._rendezvous(group)  # the workers keep training meanwhile
+            for worker in group.workers:  # the same processes, with new ranks
+                worker.id = ids.get(worker.local_rank)
+            new_members = self._handler.participants()
+            round_ = self._handler.current_round()
+            outcome = self._tell_and_await(round_)
+        finally:
+            self._resizing = False
+        if outcome == live.DONE:
+            seconds = time.monotonic() - noticed
+            log.info("the workers resized into round %d live in %.2f s", round_, seconds)
+            self._reporter.count_resize(LIVE, reason, seconds=seconds)
+            self._report_running()
+            return new_members
+        log.warning("the live resize into round %d did not complete (%s): restarting the group",
+                    round_, outcome)
+        self._notice_recovery(at=noticed_at)
+        self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
+        self._stop_workers(group)
+        group.state = WorkerState.STOPPED
+        if outcome == live.MEMBERSHIP_CHANGED:  # the round just formed is obsolete already
+            self._rendezvous(group)
+            new_members = self._handler.participants()
+        default = RestartReason.NODE_JOINED if change.kind == "waiting" else RestartReason.NODE_LOST
+        self._reporter.count_restart(membership_reason(members, new_members) or default)
+        self._reporter.count_resize(RESTART, reason, outcome)
+        self._remaining_restarts -= 1  # the next attempt: see __init__
+        self._start_group()
+        return new_members
+
+    def _tell_and_await(self, round_: int) -> str:
+        """Tell the workers round ``round_``; wait until they resized into it (bounded).
+
+        Returns :data:`agent.live.DONE` or the cause to fall back for.
+        """
+        assert self._progress_dir is not None and self._pcontext is not None
+        group = self._worker_group
+        try:
+            live.write_resize_notice(
+                self._progress_dir, round_=round_, master_addr=str(group.master_addr),
+                master_port=int(group.master_port or 0),
+                world_size=group.workers[0].world_size if group.workers else 0,
+                ranks={w.local_rank: w.global_rank for w in group.workers}, now=time.time(),
+            )
+        except OSError as exc:
+            log.warning("cannot write the live resize notice: %s", exc)
+            return live.NOT_CAPABLE
+        local_ranks = [w.local_rank for w in group.workers]
+        deadline = time.monotonic() + self._live_timeout_s
+        while True:
+            change = self._handler.pending_change()
+            outcome = live.resize_outcome(
+                live.read_workers(self._progress_dir), local_ranks, round_,
+                exited=not all(_alive(pid) for pid in self._pcontext.pids().values()),
+                superseded=change is not None and change.kind not in PLANNED,
+                now=time.monotonic(), deadline=deadline,
+            )
+            if outcome != live.WAITING:
+                return outcome
+            time.sleep(LIVE_POLL_S)
+
+    def _leave_live(self) -> None:
+        """SIGTERM (a planned leave): let the others resize without this node, if they can.
+
+        Announces the leave in the rendezvous, tells the workers, and waits
+        (bounded by the grace period less :data:`LEAVE_MARGIN_S`) for them to
+        exit once the others resized. Returns either way: then the group is
+        shut down as on any SIGTERM (at once if the workers are gone) and the
+        node leaves the rendezvous.
+        """
+        if self._resizing or self._progress_dir is None:
+            return
+        cause = self._live_blocker()
+        if cause is not None:
+            self._reporter.count_resize(RESTART, "leave", cause)
+            return
+        # The outcome is decided: another SIGTERM must not cut the wait short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        started = time.monotonic()
+        bound = max(1.0, min(self._live_timeout_s, self._grace_s - LEAVE_MARGIN_S))
+        outcome = live.NOT_ANNOUNCED
+        if self._handler.announce_leaving():
+            try:
+                live.write_leave_notice(self._progress_dir, now=time.time())
+            except OSError as exc:
+                log.warning("cannot write the live leave notice: %s", exc)
+                outcome = live.NOT_CAPABLE
+            else:
+                outcome = self._await_left(started + bound)
+        waited = time.monotonic() - started
+        if outcome == live.DONE:
+            log.info("the workers left the group live in %.2f s", waited)
+            self._reporter.count_resize(LIVE, "leave", seconds=waited)
+            return
+        log.warning("the live leave did not complete (%s): stopping the workers", outcome)
+        self._reporter.count_resize(RESTART, "leave", outcome)
+        self._shutdown_timeout = max(1, int(self._grace_s - waited))
+
+    def _await_left(self, deadline: float) -> str:
+        """Wait until every worker exited having left its group (or why not)."""
+        assert self._progress_dir is not None and self._pcontext is not None
+        pids = self._pcontext.pids()
+        while True:
+            outcome = live.leave_outcome(live.read_workers(self._progress_dir), pids, _alive,
+                                         now=time.monotonic(), deadline=deadline)
+            if outcome != live.WAITING:
+                return outcome
+            time.sleep(LIVE_POLL_S)
 
     def _start_group(self) -> None:
         worker_ids = self._start_workers(self._worker_group)
@@ -404,6 +590,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         worker_spec,
         reporter=reporter,
         progress_dir=progress_dir,
+        live_timeout_s=float(conf.get("live_timeout", LIVE_TIMEOUT_S)),
         logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),

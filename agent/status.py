@@ -58,6 +58,13 @@ RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0
 # waits for its minimum number of nodes (minutes).
 ELASTIC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A live resize: the runner telling its workers the new round to every worker
+# re-formed its group (a step's time to the notice timeout).
+LIVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Which way a membership change went on a node (agent.live), and why.
+LIVE, RESTART = "live", "restart"
+RESIZE_PATHS = (LIVE, RESTART)
+RESIZE_REASONS = ("join", "leave", "lost")
 # Names come from torch's code, so they are few; the cap guards the label set
 # against a torch release that builds names from data.
 MAX_ELASTIC_NAMES = 64
@@ -344,6 +351,14 @@ class RunnerMetrics(BaseModel):
     # and seconds lost, by cause.
     productive_seconds: float = 0.0
     lost_seconds: dict[str, float] = Field(default_factory=dict)
+    # Membership changes by path (live, restart) and reason (join, leave,
+    # lost); the live path's fallbacks by cause (agent.live.FALLBACK_CAUSES);
+    # how long the live resizes took.
+    resizes: dict[str, dict[str, int]] = Field(default_factory=dict)
+    live_fallbacks: dict[str, int] = Field(default_factory=dict)
+    live_resize_seconds: HistogramData = Field(
+        default_factory=lambda: HistogramData.empty(LIVE_BUCKETS)
+    )
 
 
 def read_runner_metrics(path: Path) -> RunnerMetrics | None:
@@ -401,6 +416,21 @@ class RunnerMetricsRecorder:
     def count_restart(self, reason: str) -> None:
         with self._lock:
             self._data.restarts[reason] = self._data.restarts.get(reason, 0) + 1
+            self._version += 1
+
+    def count_resize(self, path: str, reason: str, fallback: str | None = None) -> None:
+        """Count a membership change taken on ``path``; ``fallback``: why not live."""
+        with self._lock:
+            by_reason = self._data.resizes.setdefault(path, {})
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            if fallback is not None:
+                causes = self._data.live_fallbacks
+                causes[fallback] = causes.get(fallback, 0) + 1
+            self._version += 1
+
+    def observe_live_resize(self, seconds: float) -> None:
+        with self._lock:
+            self._data.live_resize_seconds.observe(seconds)
             self._version += 1
 
     def count_exits(self, codes: Iterable[int]) -> None:
@@ -635,12 +665,39 @@ class StatusReporter:
         self.recorder.count_restart(str(getattr(reason, "value", reason)))
         self._dirty.set()
 
-    def recovery_noticed(self, *, restart_count: int) -> None:
+    def count_resize(self, path: str, reason: str, fallback: str | None = None,
+                     seconds: float | None = None) -> None:
+        """A membership change was taken on ``path`` (:data:`LIVE` or :data:`RESTART`).
+
+        Args:
+            path: which way it went.
+            reason: ``join``, ``leave`` or ``lost``.
+            fallback: why the live path was not taken or was given up on
+                (agent.live's causes); None when it was not tried.
+            seconds: how long a live resize took (notice to every worker resized).
+        """
+        with self._lock:
+            paths = dict(self._status.resize_paths)
+            paths[path] = paths.get(path, 0) + 1
+            last = path if fallback is None else f"{path} ({fallback})"
+            self._status = self._status.model_copy(
+                update={"resize_paths": paths, "last_resize": last}
+            )
+        self.recorder.count_resize(path, reason, fallback)
+        if seconds is not None:
+            self.recorder.observe_live_resize(seconds)
+        log.info("membership change (%s) taken on the %s path%s", reason, path,
+                 "" if fallback is None else f" ({fallback})")
+        self._dirty.set()
+
+    def recovery_noticed(self, *, restart_count: int, at: float | None = None) -> None:
         """The runner noticed a failure or a membership change; a recovery starts now.
 
         Args:
             restart_count: ``TORCHELASTIC_RESTART_COUNT`` of the workers running
                 now; the recovery ends at the first step of workers with a higher one.
+            at: when it was noticed (``time.time()``), if earlier than now (a
+                live resize given up on: the recovery began with the change).
 
         A second notice before the workers resumed extends the same recovery.
         """
@@ -648,7 +705,7 @@ class StatusReporter:
             if self._recovery is None:
                 newest = max(self._spans, default=None)
                 self._recovery = _Recovery(
-                    started=time.time(), baseline=restart_count,
+                    started=time.time() if at is None else at, baseline=restart_count,
                     before=None if newest is None else self._spans[newest],
                 )
             else:

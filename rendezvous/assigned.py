@@ -405,6 +405,11 @@ class AssignedRendezvousHandler(RendezvousHandler):
             and (room or n in nodes)
         )
 
+    def current_round(self) -> int:
+        """The number of this node's current (or last) round; 0 before its first."""
+        with self._cond:
+            return self._mine.round if self._mine else 0
+
     def participants(self) -> frozenset[str]:
         """The members of this node's current (or last) round."""
         with self._cond:

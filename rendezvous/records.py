@@ -179,6 +179,12 @@ class JobNodeStatus(BaseModel):
     # Seconds from the last failure or membership change this node noticed to
     # the first step of the workers it then started (agent.status).
     last_recovery_seconds: float | None = Field(default=None, ge=0)
+    # Which path this node's membership changes took (agent.live): "live" (the
+    # workers re-formed their group in place) or "restart" (stopped and started
+    # again from the newest state), counted by path; the last one, with the
+    # fallback's cause: "live", "restart", "restart (timeout)".
+    resize_paths: dict[str, int] = Field(default_factory=dict, max_length=4)
+    last_resize: str | None = Field(default=None, max_length=64)
     # Goodput on this node (agent.status, docs/checkpoints.md): seconds its workers
     # trained productively in this generation, and seconds lost, by cause.
     productive_seconds: float | None = Field(default=None, ge=0)

@@ -238,3 +238,34 @@ def test_the_daemon_exports_metrics_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_path_each_membership_change_took_is_counted_over_generations(
+    tmp_path: Path,
+) -> None:
+    for generation, changes in ((1, [("live", "join", None, 0.4), ("restart", "join", "timeout",
+                                                                      None)]),
+                                (2, [("live", "leave", None, 0.2),
+                                     ("restart", "lost", None, None)])):
+        directory = generation_dir(tmp_path, "j", generation)
+        directory.mkdir(parents=True)
+        recorder = RunnerMetricsRecorder(job_id="j", node_id="n", generation=generation, pid=1)
+        for mode, reason, fallback, seconds in changes:
+            recorder.count_resize(mode, reason, fallback)
+            if seconds is not None:
+                recorder.observe_live_resize(seconds)
+        write_runner_metrics(directory / "metrics.json", recorder.snapshot())
+    samples = scrape(make_registry(FakeEtcd(), tmp_path))
+
+    resizes = "tidal_agent_job_resizes_total"
+    assert value(samples, resizes, job_id="j", mode="live", reason="join") == 1
+    assert value(samples, resizes, job_id="j", mode="live", reason="leave") == 1
+    assert value(samples, resizes, job_id="j", mode="restart", reason="join") == 1
+    assert value(samples, resizes, job_id="j", mode="restart", reason="lost") == 1
+    assert value(samples, resizes, job_id="j", mode="live", reason="lost") == 0  # from zero
+    fallbacks = "tidal_agent_job_live_fallbacks_total"
+    assert value(samples, fallbacks, job_id="j", cause="timeout") == 1
+    assert value(samples, fallbacks, job_id="j", cause="not_capable") == 0
+    seconds = "tidal_agent_job_live_resize_seconds"
+    assert value(samples, seconds + "_count", job_id="j") == 2
+    assert value(samples, seconds + "_bucket", job_id="j", le="0.25") == 1

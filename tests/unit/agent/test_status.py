@@ -323,3 +323,40 @@ def test_a_runner_replacing_a_dead_one_goes_on_from_its_counters(tmp_path: Path)
     third.close()
     fresh = read_runner_metrics(tmp_path / "metrics.json")
     assert fresh is not None and fresh.restarts == {} and fresh.generation == 4
+
+
+def test_the_path_of_each_membership_change_is_in_the_status_record_and_the_metrics(
+    tmp_path: Path,
+) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    reporter.count_resize("live", "join", seconds=0.3)
+    reporter.count_resize("restart", "leave", "timeout")
+    reporter.close()
+    status = client.status("j", "n")
+    assert status.resize_paths == {"live": 1, "restart": 1}
+    assert status.last_resize == "restart (timeout)"
+    assert status.restart_count == 0  # a live resize restarts nothing; the runner counts restarts
+    data = read_runner_metrics(tmp_path / "metrics.json")
+    assert data is not None
+    assert data.resizes == {"live": {"join": 1}, "restart": {"leave": 1}}
+    assert data.live_fallbacks == {"timeout": 1}
+    assert data.live_resize_seconds.count == 1
+
+
+def test_a_recovery_after_a_live_resize_given_up_on_starts_at_the_change(
+    tmp_path: Path,
+) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    try:
+        reporter.recovery_noticed(restart_count=0, at=time.time() - 5.0)
+        reporter.count_restart(RestartReason.NODE_JOINED)
+        FileProgressReporter(tmp_path / "progress", rank=0, world_size=2, restart_count=1,
+                             interval=0.0).record(step=3)
+        data = wait_for(
+            lambda: (m := read_runner_metrics(tmp_path / "metrics.json")) and m.recovery_seconds
+            and m, timeout=5, what="the recovery in the metrics file")
+    finally:
+        reporter.close()
+    assert data.recovery_seconds["node_joined"].sum >= 5.0

@@ -37,7 +37,8 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 
 #: attributes the runner reads or writes on a constructed agent.
-ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
+ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext",
+              "_shutdown_timeout")  # a planned leave given up on shortens it
 
 
 class _NoRendezvous(RendezvousHandler):
