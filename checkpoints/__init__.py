@@ -2,8 +2,10 @@
 
 Atomic, verifiable, asynchronous checkpoints that resume at any world size, a
 graceful stop on SIGTERM (exit code :data:`EXIT_PREEMPTED`), progress reports
-for the node agent, and an elastic data position. It depends on torch and the
-standard library only. See docs/checkpoints.md.
+for the node agent, an elastic data position, and the live resize (a planned
+change of the job's nodes without restarting its workers; :class:`Resize`,
+exit code :data:`EXIT_LEFT`). It depends on torch and the standard library
+only. See docs/checkpoints.md.
 """
 
 from checkpoints.checkpointer import Checkpointer, Resume, SaveRecord
@@ -14,6 +16,7 @@ from checkpoints.errors import (
     CheckpointStateError,
     CheckpointWriteError,
 )
+from checkpoints.live import EXIT_LEFT, LiveResizeError, Resize
 from checkpoints.progress import (
     PROGRESS_DIR_ENV,
     FileProgressReporter,
@@ -24,6 +27,7 @@ from checkpoints.progress import (
 from checkpoints.signals import EXIT_PREEMPTED
 
 __all__ = [
+    "EXIT_LEFT",
     "EXIT_PREEMPTED",
     "PROGRESS_DIR_ENV",
     "BatchPlan",
@@ -35,8 +39,10 @@ __all__ = [
     "Checkpointer",
     "ElasticBatchSampler",
     "FileProgressReporter",
+    "LiveResizeError",
     "NullProgressReporter",
     "ProgressReporter",
+    "Resize",
     "Resume",
     "SaveRecord",
     "create_progress_reporter",

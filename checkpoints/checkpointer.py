@@ -15,13 +15,16 @@ asynchronous by default: the loop waits only for the snapshot. A periodic save
 that comes due while the previous one is still being written is skipped with a
 log line (replicated) or waits for it (sharded, where ranks must agree);
 :meth:`Checkpointer.save`, the stop on SIGTERM and :meth:`Checkpointer.close`
-always wait. The policy, the layout and the exit code are documented in
-docs/checkpoints.md.
+always wait. With ``on_resize=`` given, a planned change of the job's nodes
+re-forms the process group at a step boundary without restarting the workers
+(:mod:`checkpoints.live`). The policy, the layout and the exit codes are
+documented in docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -45,6 +48,24 @@ from checkpoints.errors import (
     CheckpointWriteError,
 )
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
+from checkpoints.live import (
+    EXIT_LEFT,
+    Action,
+    LiveResizeError,
+    LiveState,
+    NoticeWatch,
+    Resize,
+    SyncResult,
+    WorkerLive,
+    decide,
+    pending_round,
+    read_leave_notice,
+    rejoin,
+    sync_state,
+    wait_for_notice,
+    worker_live_path,
+    write_worker_live,
+)
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
 from checkpoints.state import (
@@ -133,6 +154,12 @@ class Checkpointer:
             optimizer, more than one rank; local rank 0 of each node writes; see
             :mod:`checkpoints.jit`). ``TIDAL_JIT_SAVE=0`` in the environment turns
             it off. With it on, ``extra_state`` is called after every step.
+        on_resize: turns the live resize on (:mod:`checkpoints.live`; replicated
+            state, torch.distributed initialized, ``TIDAL_PROGRESS_DIR`` set):
+            called inside ``maybe_save`` after the process group was re-formed
+            at a new world size and the state synced, to rebuild DDP and the
+            data pipeline for :class:`~checkpoints.live.Resize`. Build DDP after
+            :meth:`restore`: a joining process receives the state there.
 
     Raises:
         ValueError: when an option is out of range.
@@ -163,6 +190,7 @@ class Checkpointer:
         total_steps: int | None = None,
         direct_io: bool = True,
         jit_save: bool = True,
+        on_resize: Callable[[Resize], None] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep ({keep}) must be at least 1")
@@ -198,10 +226,35 @@ class Checkpointer:
         self._closed = False
         # The restore epoch this run saves under (restore takes the next one).
         self._epoch = self._store.read_fence().epoch
+        self._jit_wanted = jit_save
         self._jit = self._make_jit(jit_save)
+        # The live resize: the step this process holds in memory (-1: nothing
+        # yet), the round it last resized into, and where its runner talks to it.
+        self._live_step = -1
+        self._round = 0
+        self._previous_world_size = self.world_size
+        self._on_resize = on_resize
+        self._live_dir = self._live_directory(on_resize)
+        self._notices = NoticeWatch(self._live_dir) if self._live_dir is not None else None
+        self._report_live(LiveState.READY, step=None)
+
+    def _live_directory(self, on_resize: Callable[[Resize], None] | None) -> Path | None:
+        """The progress directory, when the live path can be taken; None otherwise."""
+        directory = os.environ.get(PROGRESS_DIR_ENV)
+        distributed = dist.is_available() and dist.is_initialized()
+        if on_resize is None or not directory or not distributed:
+            return None
+        if self._sharded:
+            log.warning("no live resize with sharded state: a resize restarts the workers")
+            return None
+        return Path(directory)
+
+    @property
+    def _local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
     def _make_jit(self, wanted: bool) -> JustInTimeSaver | None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        local_rank = self._local_rank
         if (
             not wanted
             or os.environ.get(JIT_ENV) == "0"
@@ -235,7 +288,8 @@ class Checkpointer:
         if distributed:
             # Private gloo groups: flags and DCP never share the training group, nor each other.
             self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
-            self._consensus = StepConsensus(self._group, width=2)
+            # Flags: stop, a save due by time, the newest live-resize round not acted on.
+            self._consensus = StepConsensus(self._group, width=3)
             if self._sharded:
                 self._dcp_group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
 
@@ -259,6 +313,10 @@ class Checkpointer:
         is logged (which file, why), moved aside and skipped. The choice is
         broadcast so that every rank loads the same one.
 
+        With the live resize on, a process that joins a group whose other
+        ranks train on receives their state instead (no checkpoint is read;
+        ``Resume.path`` is None).
+
         Returns:
             Where to resume.
 
@@ -266,6 +324,10 @@ class Checkpointer:
             CheckpointError: when another rank cannot read the checkpoint rank 0
                 chose, or the checkpoint does not fit the model.
         """
+        if self._live_dir is not None:
+            joined = self._restore_live()
+            if joined is not None:
+                return joined
         chosen, state, epoch = -1, None, 0
         if self.rank == 0:
             stale = self._store.remove_stale()
@@ -285,6 +347,7 @@ class Checkpointer:
         self._epoch = epoch
         if chosen < 0:
             log.info("no usable checkpoint under %s: starting fresh", self.directory)
+            self._live_step = 0
             return Resume(step=0, fresh=True, path=None, saved_world_size=None, extra={})
         path = self._store.path_of(chosen)
         manifest, state = self._load_chosen(path, state)
@@ -301,6 +364,7 @@ class Checkpointer:
             self._load_extra_state(extra)
         self._last_saved_step = chosen
         self._last_save_time = time.monotonic()
+        self._live_step = chosen
         log.info(
             "restored step %d from %s (saved at world size %d, now %d)",
             chosen,
@@ -391,21 +455,31 @@ class Checkpointer:
             Whether a save was started.
 
         Raises:
-            SystemExit: with ``EXIT_PREEMPTED`` (75) after saving, when a stop was requested.
+            SystemExit: with ``EXIT_PREEMPTED`` (75) after saving, when a stop was
+                requested; with ``EXIT_LEFT`` (77) when this node leaves on the
+                live path.
+            CheckpointError, RuntimeError: when a live resize fails (the runner
+                restarts the group).
         """
         if self._jit is not None:
             self._jit.boundary(step)  # before any collective of ours can fail
+        self._live_step = step
         self._progress.record(step=step, loss=loss, samples=samples)
         self._poll_writer()
         stop = self._stop.requested
         time_due = self._time_due()
+        resize_round = self._pending_round()
         if self._consensus is not None:
-            agreed_stop, agreed_time = self._consensus.exchange([int(stop), int(time_due)])
+            agreed_stop, agreed_time, resize_round = self._consensus.exchange(
+                [int(stop), int(time_due), resize_round]
+            )
             stop = bool(agreed_stop)
             if self._sharded:  # every rank must take part: decide on the agreed flag
                 time_due = bool(agreed_time)
         if stop:
             self._stop_now(step)
+        if resize_round:
+            self._act_live(step, resize_round)
         steps_due = self._every_steps is not None and step % self._every_steps == 0
         if not (steps_due or time_due):
             if self._prepare_calls:
@@ -438,6 +512,9 @@ class Checkpointer:
             self._consensus.drain()
         self._stop.uninstall()
         self._progress.flush()
+        if self._live_dir is not None:  # no longer able to resize: the runner restarts instead
+            with contextlib.suppress(OSError):
+                worker_live_path(self._live_dir, self._local_rank).unlink()
         self._raise_if_failed()
 
     def __enter__(self) -> Checkpointer:
@@ -456,6 +533,144 @@ class Checkpointer:
             self._progress.flush()
             return
         self.close()
+
+    # -------------------------------------------------------------- live resize
+
+    def _pending_round(self) -> int:
+        """This rank's flag: the round of its node's resize notice, if not acted on yet."""
+        if self._notices is None:
+            return 0
+        return pending_round(self._notices.current(), self._round)
+
+    def _act_live(self, step: int, agreed_round: int) -> None:
+        """At the boundary where the ranks agreed on a newer round: leave, resize, or go on."""
+        assert self._live_dir is not None and self._notices is not None
+        notice = self._notices.current()
+        action = decide(
+            agreed_round=agreed_round,
+            current_round=self._round,
+            leaving=read_leave_notice(self._live_dir) is not None,
+            notice_round=None if notice is None else notice.round,
+        )
+        if action is Action.LEAVE:
+            self._leave(step)
+        elif action is Action.RESIZE:
+            self._resize(step, agreed_round)
+
+    def _quiesce(self) -> None:
+        """Before the group goes away: nothing of ours may still use it."""
+        if self._jit is not None:
+            self._jit.disarm()
+            self._jit = None
+        self._writer.wait()  # a save in flight finishes (a sharded one uses the group)
+        self._poll_writer()
+        if self._consensus is not None:
+            self._consensus.drain()  # the reduction launched at this boundary
+
+    def _leave(self, step: int) -> None:
+        """This node leaves: exit with EXIT_LEFT at the boundary where the others resize."""
+        log.warning(
+            "this node leaves the job: rank %d stops at step %d and exits with %d (no save: "
+            "the others hold the state)", self.rank, step, EXIT_LEFT,
+        )
+        self._quiesce()
+        self._report_live(LiveState.LEFT, step=step)
+        self._closed = True
+        self._stop.uninstall()
+        self._progress.flush()
+        raise SystemExit(EXIT_LEFT)
+
+    def _resize(self, step: int, agreed_round: int) -> None:
+        """Re-form the process group of the agreed round at this boundary and train on.
+
+        Raises:
+            LiveResizeError: when this node's notice does not come in time.
+            CheckpointError, RuntimeError: when the group or the state sync fails.
+        """
+        assert self._live_dir is not None and self._on_resize is not None
+        started = time.monotonic()
+        notice = wait_for_notice(self._live_dir, min_round=agreed_round)
+        self._report_live(LiveState.RESIZING, step=step)
+        self._previous_world_size = self.world_size
+        self._quiesce()
+        rejoin(notice, local_rank=self._local_rank)
+        self._init_distributed()
+        self._progress.rebind(rank=self.rank, world_size=self.world_size)
+        self._jit = self._make_jit(self._jit_wanted)
+        synced = self._sync_live()
+        if synced.state is not None:
+            raise LiveResizeError(
+                f"rank {self.rank} holds step {step} but rank {synced.source} holds "
+                f"{synced.step}: the ranks did not stop at the same step"
+            )
+        self._round = notice.round
+        self._on_resize(Resize(
+            rank=self.rank, world_size=self.world_size,
+            previous_world_size=self._previous_world_size, step=step, round=notice.round,
+        ))
+        if self._jit is not None:
+            self._jit.boundary(step)
+        self._report_live(LiveState.RESIZED, step=step)
+        log.info(
+            "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s",
+            step, self.rank, self.world_size, self._previous_world_size, notice.round,
+            time.monotonic() - started,
+        )
+
+    def _sync_live(self) -> SyncResult:
+        return sync_state(
+            live_step=self._live_step, group=self._group, model=self._model,
+            capture=self._live_state,
+        )
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a joining rank receives: a checkpoint's state but the model, and our bookkeeping."""
+        state = self._small_state(self._live_step)
+        state["optimizer"] = self._optimizer.state_dict() if self._optimizer is not None else None
+        state["live"] = {
+            "epoch": self._epoch,
+            "last_saved_step": self._last_saved_step,
+            "world_size": self._previous_world_size,
+        }
+        return state
+
+    def _restore_live(self) -> Resume | None:
+        """A joining process: take the state of the ranks that train on; None if none does."""
+        synced = self._sync_live()
+        state = synced.state
+        if state is None:
+            return None
+        source = Path(f"<the live state of rank {synced.source}>")
+        apply_state(
+            state, model=None, optimizer=self._optimizer, scheduler=self._scheduler,
+            scaler=self._scaler, path=source,
+        )
+        extra = dict(state.get("extra") or {})
+        if self._load_extra_state is not None:
+            self._load_extra_state(extra)
+        live = state["live"]
+        self._epoch = int(live["epoch"])
+        self._last_saved_step = live["last_saved_step"]
+        self._last_save_time = time.monotonic()
+        self._live_step = synced.step
+        log.info(
+            "joined live at step %d: state received from rank %d (world size %d, was %d)",
+            synced.step, synced.source, self.world_size, live["world_size"],
+        )
+        return Resume(
+            step=synced.step, fresh=False, path=None, saved_world_size=int(live["world_size"]),
+            extra=extra,
+        )
+
+    def _report_live(self, state: LiveState, *, step: int | None) -> None:
+        """Tell the runner where this worker is on the live path (if it can take it)."""
+        if self._live_dir is None:
+            return
+        live = WorkerLive(pid=os.getpid(), round=self._round, step=step, state=state)
+        try:
+            write_worker_live(self._live_dir, self._local_rank, live)
+        except OSError as exc:
+            log.warning("cannot report the live-resize state to the runner: %s", exc)
 
     def _time_due(self) -> bool:
         if self._every_seconds is None:

@@ -105,6 +105,12 @@ class ProgressReporter(abc.ABC):
     def flush(self) -> None:
         """Report now, whatever the interval."""
 
+    def rebind(self, *, rank: int, world_size: int) -> None:
+        """Report as ``rank`` of ``world_size`` from now on (a live resize changed them).
+
+        Not abstract: a reporter that does not name the rank has nothing to change."""
+        return None
+
 
 class NullProgressReporter(ProgressReporter):
     """Reports nothing: the twin used outside tidal."""
@@ -227,6 +233,22 @@ class FileProgressReporter(ProgressReporter):
     def flush(self) -> None:
         """Write the file now."""
         self._write(time.monotonic())
+
+    def rebind(self, *, rank: int, world_size: int) -> None:
+        """Write ``rank-<rank>.json`` from now on, and remove this process's old file.
+
+        The counters (first step, stall time, the rate window) go on: it is the
+        same process training on.
+        """
+        if rank == self._fixed["rank"] and world_size == self._fixed["world_size"]:
+            return
+        old = self.path
+        self.path = old.with_name(f"rank-{rank}.json")
+        self._temp = old.with_name(f".rank-{rank}.json.tmp")
+        self._fixed.update(rank=rank, world_size=world_size)
+        with contextlib.suppress(OSError):
+            os.unlink(old)  # another local rank may take that name: it writes it again
+        self.flush()
 
     def snapshot(self) -> dict[str, Any]:
         """The report as it would be written now (converts the loss)."""

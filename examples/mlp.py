@@ -15,6 +15,13 @@ Run it with torchrun alone, or under tidal (which sets the same environment)::
 
 It also runs as a plain single process (``python examples/mlp.py ...``).
 Each rank logs one line per step: ``rank R world_size W step S loss L``.
+
+``--live-resize`` lets tidal change the job's nodes without restarting its
+workers: the checkpointer re-forms the process group at a step boundary and
+calls :meth:`Pipeline.rebuild`, which wraps the model in DDP again and
+restarts the sampler at the new rank and world size from the step reached (a
+joining worker receives the model, optimizer and RNG state from its peers in
+``restore()``). That is why DDP is built after ``restore()``.
 ``--stop-after-step K`` saves a checkpoint once K steps are complete and exits
 0; the next run resumes from it. ``--record PATH`` makes rank 0 write, at the
 end, a JSON file with the final parameters and the sample indices every rank
@@ -76,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--record", type=Path, default=None)
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="pause after each step (demos, tests)"
+    )
+    parser.add_argument(
+        "--live-resize", action="store_true",
+        help="take planned resizes live: re-form the process group instead of restarting",
     )
     return parser.parse_args(argv)
 
@@ -141,20 +152,64 @@ def train_step(
     return loss_sum / plan.local_batch_size, samples
 
 
+class Pipeline:
+    """What depends on the process group: the DDP wrapper and the data loader.
+
+    Built after ``restore()``, and rebuilt by the checkpointer's ``on_resize``
+    when a live resize changed the rank and world size: the sampler starts at
+    the step reached, so the global sample order does not change.
+    """
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module, dataset: Dataset[Any], *,
+                 end_step: int) -> None:
+        self.args, self.model, self.dataset, self.end_step = args, model, dataset, end_step
+
+    def rebuild(self, *, rank: int, world_size: int, step: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.ddp_model = DistributedDataParallel(self.model) if world_size > 1 else self.model
+        self.sampler = ck.ElasticBatchSampler(
+            dataset_len=len(self.dataset),  # type: ignore[arg-type]
+            global_batch_size=self.args.global_batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=self.args.seed,
+            start_step=step,
+            max_local_batch=self.args.max_local_batch,
+            end_step=max(self.end_step, step),
+        )
+        self.batches = iter(
+            DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.args.num_workers)
+        )
+
+    def on_resize(self, resize: ck.Resize) -> None:
+        log.info("resized from %d to %d ranks at step %d: now rank %d",
+                 resize.previous_world_size, resize.world_size, resize.step, resize.rank)
+        self.rebuild(rank=resize.rank, world_size=resize.world_size, step=resize.step)
+
+
 def write_record(
-    path: Path, *, model: nn.Module, world_size: int, first_step: int, taken: list[list[Any]]
+    path: Path, *, model: nn.Module, first_step: int, taken: list[list[Any]]
 ) -> None:
-    """Rank 0 writes the final parameters and every rank's samples per step (atomically)."""
-    per_rank: list[Any] = [None] * world_size
+    """Rank 0 writes the final parameters and every rank's samples per step (atomically).
+
+    ``taken`` holds ``[step, rank, samples]`` for each step this process ran
+    (its rank may change with a live resize); a step's samples are its ranks'
+    in rank order. Only the ranks still in the job at the end contribute.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank: list[Any] = [taken]
     if world_size > 1:
+        per_rank = [None] * world_size
         dist.gather_object(taken, per_rank if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return
-    else:
-        per_rank = [taken]
+    by_step: dict[int, list[tuple[int, list[int]]]] = {}
+    for entries in per_rank:
+        for step, rank, samples in entries:
+            by_step.setdefault(step, []).append((rank, samples))
     steps = [
-        {"step": entries[0][0], "samples": [i for entry in entries for i in entry[1]]}
-        for entries in zip(*per_rank, strict=True)
+        {"step": step, "samples": [i for _, samples in sorted(by_step[step]) for i in samples]}
+        for step in sorted(by_step)
     ]
     record = {
         "world_size": world_size,
@@ -174,9 +229,13 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
     """Restore, train until ``--total-steps`` or ``--stop-after-step``, save, record."""
     dtype = getattr(torch, args.dtype)
     model = make_model(args, dtype)
-    ddp_model = DistributedDataParallel(model) if world_size > 1 else model
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    end_step = args.total_steps
+    if args.stop_after_step is not None:
+        end_step = min(end_step, args.stop_after_step)
+    dataset = SyntheticRegression(size=args.dataset_size, features=args.features, dtype=dtype)
+    pipeline = Pipeline(args, model, dataset, end_step=end_step)
     ckpt = ck.Checkpointer(
         args.checkpoint_dir,
         model=model,
@@ -184,8 +243,9 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
         scheduler=scheduler,
         every_steps=args.every_steps,
         async_save=args.async_save,
+        on_resize=pipeline.on_resize if args.live_resize else None,
     )
-    resume = ckpt.restore()
+    resume = ckpt.restore()  # a worker that joins live receives its peers' state here
     log.info(
         "start at step %d (fresh=%s, saved at world size %s), world_size %d",
         resume.step,
@@ -193,29 +253,18 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
         resume.saved_world_size,
         world_size,
     )
-    end_step = args.total_steps
-    if args.stop_after_step is not None:
-        end_step = min(end_step, args.stop_after_step)
-    dataset = SyntheticRegression(size=args.dataset_size, features=args.features, dtype=dtype)
-    sampler = ck.ElasticBatchSampler(
-        dataset_len=len(dataset),
-        global_batch_size=args.global_batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=args.seed,
-        start_step=resume.step,
-        max_local_batch=args.max_local_batch,
-        end_step=max(end_step, resume.step),
-    )
-    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers))
+    pipeline.rebuild(rank=rank, world_size=world_size, step=resume.step)  # DDP after restore
     taken: list[list[Any]] = []
     step = resume.step
     while step < end_step:
-        loss, samples = train_step(ddp_model, batches, sampler.plan, optimizer)
+        loss, samples = train_step(pipeline.ddp_model, pipeline.batches, pipeline.sampler.plan,
+                                   optimizer)
         scheduler.step()
-        taken.append([step, samples])
-        log.info("rank %d world_size %d step %d loss %.6f", rank, world_size, step, loss)
+        taken.append([step, pipeline.rank, samples])
+        log.info("rank %d world_size %d step %d loss %.6f",
+                 pipeline.rank, pipeline.world_size, step, loss)
         step += 1
+        # May resize live: the pipeline is rebuilt for the next step.
         ckpt.maybe_save(step, loss=loss, samples=args.global_batch_size)
         if args.step_seconds:
             time.sleep(args.step_seconds)
@@ -224,15 +273,14 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
     ckpt.close()
     log.info("done at step %d", step)
     if args.record is not None:
-        write_record(
-            args.record, model=model, world_size=world_size, first_step=resume.step, taken=taken
-        )
+        write_record(args.record, model=model, first_step=resume.step, taken=taken)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world_size = setup_distributed()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(message)s")
+    # The process id, not the rank: a live resize may change the rank.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [pid %(process)d] %(message)s")
     try:
         train(args, rank=rank, world_size=world_size)
     finally:

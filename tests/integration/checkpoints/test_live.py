@@ -1,0 +1,187 @@
+"""The live resize with real workers: a join and a leave without restarting anyone.
+
+Three processes run examples/mlp.py --live-resize (float64, DDP over gloo),
+each as the only worker of its own "node" (its own progress directory). The
+test plays the runners (checkpoints.live's notices, exactly as the runner
+writes them): a and b train at world size 2; c starts in the next round and
+receives the state from them in ``restore()`` while a and b re-form the group
+at 3; then b's node leaves (``live-leave.json``), b exits 77 and a and c go on
+at 2 to the end. No process restarts, every step is taken exactly once, and
+the final parameters equal those of an uninterrupted single-process run with
+the same global batch (10, split 4/3/3 at world size 3, accumulated over
+micro-batches of at most 4).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoints.live import (
+    EXIT_LEFT,
+    LiveState,
+    ResizeNotice,
+    read_worker_live,
+    write_leave_notice,
+    write_resize_notice,
+)
+from rendezvous.etcd_server import free_port
+from tests.integration.checkpoints.test_acid import params_of
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[3]
+MLP = REPO / "examples" / "mlp.py"
+TOTAL_STEPS = 50
+ARGS = [
+    "--total-steps", str(TOTAL_STEPS), "--global-batch-size", "10", "--max-local-batch", "4",
+    "--dataset-size", "64", "--dtype", "float64", "--every-steps", "8", "--seed", "3",
+]
+# Rounding only: different world sizes group the gradient sums differently.
+ATOL = 1e-10
+_STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) loss")
+
+
+class Node:
+    """One worker process as the only worker of its node."""
+
+    def __init__(self, procs: ProcessGroupRegistry, tmp_path: Path, name: str) -> None:
+        self.name = name
+        self.dir = tmp_path / name
+        self.dir.mkdir()
+        self.log = tmp_path / f"{name}.log"
+        self._procs, self._tmp = procs, tmp_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *, rank: int, world_size: int, port: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "TORCHELASTIC"))}
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIDAL_PROGRESS_DIR=str(self.dir),
+            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        )
+        argv = [
+            sys.executable, str(MLP), "--checkpoint-dir", str(self._tmp / "ckpt"),
+            "--record", str(self._tmp / "live.json"), "--live-resize", "--step-seconds", "0.1",
+            *ARGS,
+        ]
+        self.proc = self._procs.spawn(argv, log_path=self.log, env=env, cwd=REPO)
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(rank, world size, step) of every step this worker logged, in order."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [(int(r), int(w), int(s)) for r, w, s in _STEP.findall(text)]
+
+    def resized_to(self, round_: int) -> bool:
+        live = read_worker_live(self.dir, 0)
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
+        return live is not None and live.state is LiveState.RESIZED and live.round == round_
+
+    def exit_code(self, timeout: float) -> int:
+        assert self.proc is not None
+        proc = self.proc
+        wait_for(lambda: proc.poll() is not None, timeout=timeout, what=f"{self.name} to exit")
+        return proc.returncode
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+
+def notice(round_: int, *, port: int, world_size: int, rank: int) -> ResizeNotice:
+    return ResizeNotice(
+        round=round_, master_addr="127.0.0.1", master_port=port, world_size=world_size,
+        ranks={0: rank}, written_at=time.time(),
+    )
+
+
+def reference(procs: ProcessGroupRegistry, tmp_path: Path) -> dict[str, Any]:
+    """The same training in one uninterrupted process."""
+    record, log_path = tmp_path / "reference.json", tmp_path / "reference.log"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TIDAL_", "TORCHELASTIC")) and k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"),
+            "--record", str(record), *ARGS]
+    proc = procs.spawn(argv, log_path=log_path, env=env, cwd=REPO)
+    wait_for(lambda: proc.poll() is not None, timeout=120, what="the reference run to finish")
+    assert proc.returncode == 0, log_path.read_text(errors="replace")[-3000:]
+    return dict(json.loads(record.read_text()))
+
+
+def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted_run(
+    tmp_path: Path, procs: ProcessGroupRegistry
+) -> None:
+    a, b, c = (Node(procs, tmp_path, name) for name in "abc")
+    port = free_port()
+    a.start(rank=0, world_size=2, port=port)
+    b.start(rank=1, world_size=2, port=port)
+    wait_for(lambda: len(a.steps()) >= 3 and len(b.steps()) >= 3, timeout=60,
+             what="a and b to train at world size 2")
+
+    # Round 1: c joins. Its runner starts it in the new round; the others' runners tell them.
+    port = free_port()
+    c.start(rank=2, world_size=3, port=port)
+    write_resize_notice(a.dir, notice(1, port=port, world_size=3, rank=0))
+    write_resize_notice(b.dir, notice(1, port=port, world_size=3, rank=1))
+    wait_for(lambda: a.resized_to(1) and b.resized_to(1) and c.steps(), timeout=90,
+             what="a and b to resize into round 1 and c to train")
+
+    # Round 2: b's node leaves; a and c go on as ranks 0 and 1.
+    write_leave_notice(b.dir)
+    port = free_port()
+    write_resize_notice(a.dir, notice(2, port=port, world_size=2, rank=0))
+    write_resize_notice(c.dir, notice(2, port=port, world_size=2, rank=1))
+    assert b.exit_code(60) == EXIT_LEFT, b.tail()
+    assert read_worker_live(b.dir, 0) is not None
+    assert a.exit_code(90) == 0, a.tail()
+    assert c.exit_code(30) == 0, c.tail()
+
+    # Every step was taken once by each rank of its world size, in order, by the
+    # processes started at the beginning: none was lost, none was done twice.
+    ran: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for node in (a, b, c):
+        steps = [step for _, _, step in node.steps()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), node.name
+        for rank, world_size, step in node.steps():
+            ran[step].append((world_size, rank))
+    assert sorted(ran) == list(range(TOTAL_STEPS))
+    sizes = []
+    for step in range(TOTAL_STEPS):
+        (world_size, _), *_ = ran[step]
+        assert sorted(ran[step]) == [(world_size, r) for r in range(world_size)], (step, ran[step])
+        if not sizes or sizes[-1] != world_size:
+            sizes.append(world_size)
+    assert sizes == [2, 3, 2]
+    assert a.steps()[0][2] == 0 and b.steps()[0][2] == 0
+    joined = c.steps()[0][2]
+    assert f"start at step {joined} (fresh=False, saved at world size 2)" in c.log.read_text()
+    assert "restored step" not in c.log.read_text()  # the state came live, not from disk
+    left = b.steps()[-1][2] + 1
+    assert joined < left < TOTAL_STEPS
+
+    # The final parameters are the uninterrupted run's; so are the samples of the
+    # steps the final ranks took together (the leaver's shares left with it).
+    ref = reference(procs, tmp_path)
+    live = json.loads((tmp_path / "live.json").read_text())
+    assert [s["step"] for s in live["steps"]] == list(range(TOTAL_STEPS))
+    for got, want in zip(live["steps"], ref["steps"], strict=True):
+        if got["step"] >= left:
+            assert got["samples"] == want["samples"], got["step"]
+        else:
+            assert not collections.Counter(got["samples"]) - collections.Counter(want["samples"])
+    final, expected = params_of(live), params_of(ref)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], atol=ATOL, rtol=0)
