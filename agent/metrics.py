@@ -43,8 +43,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from agent.live import FALLBACK_CAUSES
 from agent.status import (
+    FALLBACK_CAUSES,
     GOODPUT_CAUSES,
     LIVE_BUCKETS,
     RESIZE_PATHS,

@@ -56,9 +56,23 @@ from agent.admission import record_nodes
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
-from agent.status import LIVE, RESTART, RUNNER_METRICS_FILE, StatusReporter
+from agent.status import (
+    LIVE,
+    MEMBERSHIP_CHANGED,
+    NOT_ANNOUNCED,
+    NOT_CAPABLE,
+    RESTART,
+    RUNNER_METRICS_FILE,
+    StatusReporter,
+)
 from agent.zygote import ZygoteProcess
 from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
+from checkpoints.live import (
+    ResizeNotice,
+    clear_live_files,
+    write_leave_notice,
+    write_resize_notice,
+)
 from rendezvous.assigned import (
     AssignedRendezvousHandler,
     AssignmentWithdrawnError,
@@ -189,7 +203,7 @@ class TidalElasticAgent(LocalElasticAgent):
         self._progress_dir = progress_dir
         if progress_dir is not None:
             clear_reports(progress_dir)
-            live.clear_live_files(progress_dir)
+            clear_live_files(progress_dir)
         self._live_timeout_s = live_timeout_s
         self._resizing = False  # a live resize is under way: no planned leave now
         if not isinstance(spec.rdzv_handler, AssignedRendezvousHandler):
@@ -226,7 +240,7 @@ class TidalElasticAgent(LocalElasticAgent):
             self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
         if self._progress_dir is not None:
             clear_reports(self._progress_dir)
-            live.clear_live_files(self._progress_dir)
+            clear_live_files(self._progress_dir)
 
     def _await_jit_saves(self) -> bool:
         """Tell the workers a peer is gone; wait for their just-in-time saves (bounded).
@@ -365,9 +379,9 @@ class TidalElasticAgent(LocalElasticAgent):
         if self._progress_dir is None or self._pcontext is None or (
             group.state != WorkerState.HEALTHY
         ):
-            return live.NOT_CAPABLE
-        return live.blocker(live.read_workers(self._progress_dir),
-                            [w.local_rank for w in group.workers], _alive)
+            return NOT_CAPABLE
+        local_ranks = [w.local_rank for w in group.workers]
+        return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, _alive)
 
     def _live_resize(self, change: Change, members: frozenset[str]) -> frozenset[str]:
         """Form the next round with the workers running, and have them re-form their group.
@@ -404,7 +418,7 @@ class TidalElasticAgent(LocalElasticAgent):
         self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
         self._stop_workers(group)
         group.state = WorkerState.STOPPED
-        if outcome == live.MEMBERSHIP_CHANGED:  # the round just formed is obsolete already
+        if outcome == MEMBERSHIP_CHANGED:  # the round just formed is obsolete already
             self._rendezvous(group)
             new_members = self._handler.participants()
         default = RestartReason.NODE_JOINED if change.kind == "waiting" else RestartReason.NODE_LOST
@@ -421,22 +435,24 @@ class TidalElasticAgent(LocalElasticAgent):
         """
         assert self._progress_dir is not None and self._pcontext is not None
         group = self._worker_group
+        notice = ResizeNotice(
+            round=round_, master_addr=str(group.master_addr),
+            master_port=int(group.master_port or 0),
+            world_size=group.workers[0].world_size if group.workers else 0,
+            ranks={w.local_rank: w.global_rank for w in group.workers}, written_at=time.time(),
+            group_rank=group.group_rank, group_world_size=group.group_world_size,
+        )
         try:
-            live.write_resize_notice(
-                self._progress_dir, round_=round_, master_addr=str(group.master_addr),
-                master_port=int(group.master_port or 0),
-                world_size=group.workers[0].world_size if group.workers else 0,
-                ranks={w.local_rank: w.global_rank for w in group.workers}, now=time.time(),
-            )
+            write_resize_notice(self._progress_dir, notice)
         except OSError as exc:
             log.warning("cannot write the live resize notice: %s", exc)
-            return live.NOT_CAPABLE
+            return NOT_CAPABLE
         local_ranks = [w.local_rank for w in group.workers]
         deadline = time.monotonic() + self._live_timeout_s
         while True:
             change = self._handler.pending_change()
             outcome = live.resize_outcome(
-                live.read_workers(self._progress_dir), local_ranks, round_,
+                live.read_workers(self._progress_dir, local_ranks), local_ranks, round_,
                 exited=not all(_alive(pid) for pid in self._pcontext.pids().values()),
                 superseded=change is not None and change.kind not in PLANNED,
                 now=time.monotonic(), deadline=deadline,
@@ -464,13 +480,13 @@ class TidalElasticAgent(LocalElasticAgent):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
         bound = max(1.0, min(self._live_timeout_s, self._grace_s - LEAVE_MARGIN_S))
-        outcome = live.NOT_ANNOUNCED
+        outcome = NOT_ANNOUNCED
         if self._handler.announce_leaving():
             try:
-                live.write_leave_notice(self._progress_dir, now=time.time())
+                write_leave_notice(self._progress_dir, now=time.time())
             except OSError as exc:
                 log.warning("cannot write the live leave notice: %s", exc)
-                outcome = live.NOT_CAPABLE
+                outcome = NOT_CAPABLE
             else:
                 outcome = self._await_left(started + bound)
         waited = time.monotonic() - started
@@ -487,8 +503,8 @@ class TidalElasticAgent(LocalElasticAgent):
         assert self._progress_dir is not None and self._pcontext is not None
         pids = self._pcontext.pids()
         while True:
-            outcome = live.leave_outcome(live.read_workers(self._progress_dir), pids, _alive,
-                                         now=time.monotonic(), deadline=deadline)
+            outcome = live.leave_outcome(live.read_workers(self._progress_dir, pids), pids,
+                                         _alive, now=time.monotonic(), deadline=deadline)
             if outcome != live.WAITING:
                 return outcome
             time.sleep(LIVE_POLL_S)

@@ -65,6 +65,13 @@ LIVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 LIVE, RESTART = "live", "restart"
 RESIZE_PATHS = (LIVE, RESTART)
 RESIZE_REASONS = ("join", "leave", "lost")
+# Why a planned change did not take the live path, or gave it up (agent.live).
+NOT_CAPABLE = "not_capable"  # a worker does not take the live path (no library, starting)
+TIMEOUT = "timeout"  # the workers did not answer within live_timeout
+WORKER_EXITED = "worker_exited"  # a worker exited during it
+MEMBERSHIP_CHANGED = "membership_changed"  # another change came meanwhile
+NOT_ANNOUNCED = "not_announced"  # the leave could not be announced in the rendezvous
+FALLBACK_CAUSES = (NOT_CAPABLE, TIMEOUT, WORKER_EXITED, MEMBERSHIP_CHANGED, NOT_ANNOUNCED)
 # Names come from torch's code, so they are few; the cap guards the label set
 # against a torch release that builds names from data.
 MAX_ELASTIC_NAMES = 64
