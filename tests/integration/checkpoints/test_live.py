@@ -158,7 +158,7 @@ def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted
         for rank, world_size, step in node.steps():
             ran[step].append((world_size, rank))
     assert sorted(ran) == list(range(TOTAL_STEPS))
-    sizes = []
+    sizes: list[int] = []
     for step in range(TOTAL_STEPS):
         (world_size, _), *_ = ran[step]
         assert sorted(ran[step]) == [(world_size, r) for r in range(world_size)], (step, ran[step])
