@@ -11,9 +11,10 @@
         done = tidal.wait(job.job_id, check=True)  # raises JobFailedError if it failed
 
 :class:`Client` has one method per thing a user does (submit, get, list,
-wait, logs, events, scale, cancel, drain, undrain, nodes) and answers with the
-API's own pydantic models (:class:`~service.models.JobView`,
-:class:`~service.models.EventList`, :class:`~service.models.NodeView`).
+wait, logs, events, scale, cancel, drain, undrain, nodes, and the queues:
+queues, create_queue, update_queue, delete_queue) and answers with the API's own
+pydantic models (:class:`~service.models.JobView`, :class:`~service.models.EventList`,
+:class:`~service.models.NodeView`, :class:`~service.queues.QueueList`).
 :class:`AsyncClient` is its twin for asyncio: the same methods, awaited (its
 ``logs`` is an async iterator).
 
@@ -24,8 +25,8 @@ Every failure is one of :mod:`service.errors`, never a transport exception:
 :class:`NotConfiguredError` when no coordinator is configured. Each carries
 the exit code the ``tidal`` command line exits with for it.
 
-Both clients share what a call is (:class:`_Call`: method, path, body, the
-model of its answer) and how an answer or a transport failure becomes a result
+Both clients share what a call is (:class:`service.client_calls.Call`: method,
+path, body, the model of its answer) and how an answer or a transport failure becomes a result
 or an error (:class:`_Base`); they differ only in how they send. This module
 never imports torch or the agent.
 """
@@ -34,18 +35,36 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, TypeVar
-from urllib.parse import quote
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
+from service.client_calls import (
+    POLL_INTERVAL_S,
+    Call,
+    Waiter,
+    build_spec,
+    cancel_call,
+    create_queue_call,
+    default_name,
+    delete_queue_call,
+    drain_call,
+    events_call,
+    get_call,
+    job_path,
+    list_page_call,
+    logs_params,
+    nodes_call,
+    queues_call,
+    scale_call,
+    submit_call,
+    update_queue_call,
+)
 from service.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_CANCELLED,
@@ -77,6 +96,7 @@ from service.errors import (
     exit_code,
 )
 from service.models import EventList, JobList, JobPhase, JobSpec, JobView, NodeView
+from service.queues import QueueChanged, QueueList, QueueView
 from service.target import (
     CLUSTER_FILE,
     AgentEntry,
@@ -104,212 +124,12 @@ DEFAULT_TIMEOUT_S = 10.0
 # A coordinator that does not accept a connection within this is down or
 # unreachable; there is no point waiting the full request timeout for it.
 MAX_CONNECT_TIMEOUT_S = 5.0
-POLL_INTERVAL_S = 0.5
-# While waiting for a job, a coordinator that restarts or loses etcd for a
-# moment is waited for this long before the wait gives up.
-OUTAGE_TOLERANCE_S = 30.0
 USER_AGENT = "tidal-client"
 # Seconds without a byte (the coordinator sends a keep-alive every 15 s) before a
 # followed log is given up as a dead connection.
 LOGS_FOLLOW_READ_TIMEOUT_S = 60.0
 
 T = TypeVar("T")
-
-_JOB_VIEW: TypeAdapter[JobView] = TypeAdapter(JobView)
-_JOB_LIST: TypeAdapter[JobList] = TypeAdapter(JobList)
-_EVENT_LIST: TypeAdapter[EventList] = TypeAdapter(EventList)
-_NODE_VIEW: TypeAdapter[NodeView] = TypeAdapter(NodeView)
-_NODE_LIST: TypeAdapter[list[NodeView]] = TypeAdapter(list[NodeView])
-
-
-# job specs -----------------------------------------------------------------------------
-
-
-def default_name(command: list[str] | tuple[str, ...]) -> str:
-    """A job name from its command: ``python train.py`` -> ``train``."""
-    words = list(command)
-    if words and re.match(r"^(python[0-9.]*|torchrun|uv|poetry)$", Path(words[0]).name):
-        rest = [w for w in words[1:] if not w.startswith("-")]
-        words = rest or words
-    stem = Path(words[0]).stem if words else "job"
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:40]
-    return name or "job"
-
-
-def spec_error(exc: ValidationError) -> InvalidSpecError:
-    """An invalid job spec as one sentence naming each field; values are never
-    echoed (an ``env`` value may be a secret)."""
-    fields = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'job'}: {err['msg']}"
-        for err in exc.errors()[:5]
-    )
-    return InvalidSpecError(f"invalid job: {fields}")
-
-
-def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any) -> JobSpec:
-    """A validated job spec from a spec or mapping with ``fields`` over it.
-
-    A missing ``name`` comes from the command (:func:`default_name`), as on the
-    command line. Fields left out stay unset, so the coordinator's defaults apply.
-
-    Raises:
-        InvalidSpecError: a field is missing or invalid (exit 2); nothing was sent.
-    """
-    if isinstance(spec, JobSpec):
-        base: dict[str, Any] = spec.model_dump(exclude_unset=True)
-    else:
-        base = dict(spec or {})
-    base.update(fields)
-    if "name" not in base and isinstance(base.get("command"), (list, tuple)):
-        base["name"] = default_name(base["command"])
-    if "max_nodes" not in base and isinstance(base.get("min_nodes"), int):
-        base["max_nodes"] = base["min_nodes"]  # as `tidal submit`: a fixed size unless told
-    try:
-        return JobSpec.model_validate(base)
-    except ValidationError as exc:
-        raise spec_error(exc) from None
-
-
-# calls ---------------------------------------------------------------------------------
-
-
-def _job_path(job_id: str, suffix: str = "") -> str:
-    # Quoted whole, so an id like "../nodes" stays one path segment (and gets a 404/422).
-    return f"/v1/jobs/{quote(job_id, safe='')}{suffix}"
-
-
-def _node_path(node_id: str) -> str:
-    return f"/v1/nodes/{quote(node_id, safe='')}/drain"
-
-
-@dataclass(frozen=True)
-class _Call(Generic[T]):
-    """One API call: what to send and the model of the answer."""
-
-    method: str
-    path: str
-    answer: TypeAdapter[T]
-    json: Any = None
-    params: Mapping[str, str | int] | None = None
-
-
-def _submit(spec: JobSpec) -> _Call[JobView]:
-    return _Call("POST", "/v1/jobs", _JOB_VIEW,
-                 json=spec.model_dump(mode="json", exclude_unset=True))
-
-
-def _get(job_id: str) -> _Call[JobView]:
-    return _Call("GET", _job_path(job_id), _JOB_VIEW)
-
-
-def _events(job_id: str) -> _Call[EventList]:
-    return _Call("GET", _job_path(job_id, "/events"), _EVENT_LIST)
-
-
-def _cancel(job_id: str) -> _Call[JobView]:
-    return _Call("POST", _job_path(job_id, "/cancel"), _JOB_VIEW)
-
-
-def _nodes() -> _Call[list[NodeView]]:
-    return _Call("GET", "/v1/nodes", _NODE_LIST)
-
-
-def _drain(node_id: str, *, on: bool) -> _Call[NodeView]:
-    return _Call("POST" if on else "DELETE", _node_path(node_id), _NODE_VIEW)
-
-
-def _phase(phase: JobPhase | str) -> JobPhase:
-    try:
-        return JobPhase(str(getattr(phase, "value", phase)).upper())
-    except ValueError:
-        raise ValueError(f"phase {phase!r} is not one of "
-                         f"{', '.join(p.value for p in JobPhase)}") from None
-
-
-def _list_page(phase: JobPhase | str | None, limit: int | None, cursor: str | None
-               ) -> _Call[JobList]:
-    params: dict[str, str | int] = {}
-    if phase is not None:
-        params["phase"] = _phase(phase).value
-    if limit is not None:
-        params["limit"] = limit
-    if cursor is not None:
-        params["cursor"] = cursor
-    return _Call("GET", "/v1/jobs", _JOB_LIST, params=params)
-
-
-def _scale(job_id: str, min_nodes: int | None, max_nodes: int | None) -> _Call[JobView]:
-    body = {k: v for k, v in (("min_nodes", min_nodes), ("max_nodes", max_nodes))
-            if v is not None}
-    return _Call("PATCH", _job_path(job_id), _JOB_VIEW, json=body)
-
-
-def logs_params(
-    *, node: str | None, rank: int | None, tail: int | None, follow: bool
-) -> dict[str, str | int]:
-    """The query of ``GET /v1/jobs/{id}/logs`` (both clients' ``logs``)."""
-    params: dict[str, str | int] = {}
-    if node is not None:
-        params["node"] = node
-    if rank is not None:
-        params["rank"] = rank
-    if tail is not None:
-        params["tail"] = tail
-    if follow:
-        params["follow"] = "true"
-    return params
-
-
-# waiting -------------------------------------------------------------------------------
-
-
-@dataclass
-class Waiter:
-    """What a wait for a job's end does after each poll; the clock is passed in.
-
-    Args:
-        job_id: the job waited for.
-        started: the clock's time when the wait began.
-        timeout: seconds after ``started`` to give up (None: never).
-        outage_tolerance: seconds a coordinator may give no answer (or 5xx)
-            in a row before the wait gives up with that error.
-    """
-
-    job_id: str
-    started: float
-    timeout: float | None = None
-    outage_tolerance: float = OUTAGE_TOLERANCE_S
-    last: JobView | None = None
-    outage_since: float | None = None
-
-    def seen(self, view: JobView) -> bool:
-        """Record an answer; True when the job has ended."""
-        self.last = view
-        self.outage_since = None
-        return view.phase.is_terminal()
-
-    def failed(self, exc: ApiError, now: float) -> None:
-        """Record a failed poll.
-
-        Raises:
-            ApiError: ``exc`` itself when it is a refusal (retrying will not
-                help) or the coordinator has been away too long.
-        """
-        if not exc.transient:
-            raise exc
-        if self.outage_since is None:
-            self.outage_since = now
-        if now - self.outage_since > self.outage_tolerance:
-            raise exc
-
-    def check_deadline(self, now: float) -> None:
-        """Raises:
-        WaitTimeoutError: the timeout has passed (the job goes on)."""
-        if self.timeout is not None and now - self.started >= self.timeout:
-            phase = f" (it is {self.last.phase.value})" if self.last is not None else ""
-            raise WaitTimeoutError(
-                f"job {self.job_id} did not finish within {self.timeout:g} s{phase}; it goes on",
-                job_id=self.job_id, last=self.last)
 
 
 # the clients ---------------------------------------------------------------------------
@@ -364,7 +184,7 @@ class _Base:
         text = " ".join(response.text.split())[:200]
         return api_error(status, f"HTTP {status} from {self.url}" + (f": {text}" if text else ""))
 
-    def _answer(self, call: _Call[T], response: httpx.Response) -> T:
+    def _answer(self, call: Call[T], response: httpx.Response) -> T:
         if not response.is_success:
             raise self._refusal(response)
         try:
@@ -430,7 +250,7 @@ class Client(_Base):
         """Close the connections."""
         self._http.close()
 
-    def _run(self, call: _Call[T]) -> T:
+    def _run(self, call: Call[T]) -> T:
         try:
             response = self._http.request(call.method, call.path, json=call.json,
                                           params=call.params)
@@ -455,7 +275,7 @@ class Client(_Base):
             InvalidSpecError: the spec is invalid (nothing was sent).
             RefusedError: the coordinator refused it (e.g. a path outside its roots).
         """
-        return self._run(_submit(build_spec(spec, **fields)))
+        return self._run(submit_call(build_spec(spec, **fields)))
 
     def get(self, job_id: str) -> JobView:
         """One job: phase, world size, nodes, restarts, progress, error.
@@ -463,14 +283,14 @@ class Client(_Base):
         Raises:
             NotFoundError: there is no such job.
         """
-        return self._run(_get(job_id))
+        return self._run(get_call(job_id))
 
     get_job = get  # the command line's name for it
 
     def list_page(self, *, phase: JobPhase | str | None = None, limit: int | None = None,
                   cursor: str | None = None) -> JobList:
         """One page of jobs, oldest first; its ``next_cursor`` asks for the next."""
-        return self._run(_list_page(phase, limit, cursor))
+        return self._run(list_page_call(phase, limit, cursor))
 
     def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
                   ) -> Iterator[JobView]:
@@ -548,7 +368,7 @@ class Client(_Base):
         params = logs_params(node=node, rank=rank, tail=tail, follow=follow)
         try:
             with self._http.stream(
-                "GET", _job_path(job_id, "/logs"), params=params,
+                "GET", job_path(job_id, "/logs"), params=params,
                 headers={"Accept": "text/plain"}, timeout=self._stream_timeouts(follow),
             ) as response:
                 if not response.is_success:
@@ -562,7 +382,7 @@ class Client(_Base):
 
     def events(self, job_id: str) -> EventList:
         """The job's history, oldest first: every phase change and resize, with its reason."""
-        return self._run(_events(job_id))
+        return self._run(events_call(job_id))
 
     def scale(self, job_id: str, *, min_nodes: int | None = None, max_nodes: int | None = None
               ) -> JobView:
@@ -572,7 +392,7 @@ class Client(_Base):
             InvalidRequestError: ``min_nodes`` greater than ``max_nodes``.
             ConflictError: the job has ended or is being cancelled.
         """
-        return self._run(_scale(job_id, min_nodes, max_nodes))
+        return self._run(scale_call(job_id, min_nodes, max_nodes))
 
     def cancel(self, job_id: str) -> JobView:
         """Cancel the job: its workers get SIGTERM (time to checkpoint), then SIGKILL.
@@ -583,13 +403,13 @@ class Client(_Base):
         Raises:
             ConflictError: the job has already ended.
         """
-        return self._run(_cancel(job_id))
+        return self._run(cancel_call(job_id))
 
     # nodes -----------------------------------------------------------------------------
 
     def nodes(self) -> builtins.list[NodeView]:
         """The live nodes: state, slots in use, GPUs, labels and their jobs."""
-        return self._run(_nodes())
+        return self._run(nodes_call())
 
     def drain(self, node_id: str) -> NodeView:
         """Take a node out of service: its jobs checkpoint and go on without it.
@@ -597,11 +417,46 @@ class Client(_Base):
         Raises:
             NotFoundError: the node is not registered.
         """
-        return self._run(_drain(node_id, on=True))
+        return self._run(drain_call(node_id, on=True))
 
     def undrain(self, node_id: str) -> NodeView:
         """Put a drained node back in service."""
-        return self._run(_drain(node_id, on=False))
+        return self._run(drain_call(node_id, on=False))
+
+    # queues ----------------------------------------------------------------------------
+
+    def queues(self) -> QueueList:
+        """Every queue with its guarantee, limit, weight and the slots its jobs hold."""
+        return self._run(queues_call())
+
+    def create_queue(self, name: str, *, guaranteed: int = 0, limit: int | None = None,
+                     weight: float = 1.0) -> QueueChanged:
+        """Create a queue (admin token); the answer carries a warning when the
+        guarantees add up to more than the cluster holds.
+
+        Raises:
+            ConflictError: the queue exists.
+            ForbiddenError: the token is not the admin's.
+        """
+        return self._run(create_queue_call(name, guaranteed=guaranteed, limit=limit,
+                                           weight=weight))
+
+    def update_queue(self, name: str, **changes: Any) -> QueueChanged:
+        """Change a queue's ``guaranteed``, ``limit`` (None removes it) or ``weight``.
+
+        Raises:
+            ValueError: no change, or a setting a queue does not have (nothing was sent).
+            NotFoundError: there is no such queue.
+        """
+        return self._run(update_queue_call(name, changes))
+
+    def delete_queue(self, name: str) -> QueueView:
+        """Delete a queue (admin token).
+
+        Raises:
+            ConflictError: unfinished jobs use it.
+        """
+        return self._run(delete_queue_call(name))
 
 
 class AsyncClient(_Base):
@@ -637,7 +492,7 @@ class AsyncClient(_Base):
         """Close the connections."""
         await self._http.aclose()
 
-    async def _run(self, call: _Call[T]) -> T:
+    async def _run(self, call: Call[T]) -> T:
         try:
             response = await self._http.request(call.method, call.path, json=call.json,
                                                 params=call.params)
@@ -648,16 +503,16 @@ class AsyncClient(_Base):
     async def submit(self, spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any
                      ) -> JobView:
         """See :meth:`Client.submit`."""
-        return await self._run(_submit(build_spec(spec, **fields)))
+        return await self._run(submit_call(build_spec(spec, **fields)))
 
     async def get(self, job_id: str) -> JobView:
         """See :meth:`Client.get`."""
-        return await self._run(_get(job_id))
+        return await self._run(get_call(job_id))
 
     async def list_page(self, *, phase: JobPhase | str | None = None, limit: int | None = None,
                         cursor: str | None = None) -> JobList:
         """See :meth:`Client.list_page`."""
-        return await self._run(_list_page(phase, limit, cursor))
+        return await self._run(list_page_call(phase, limit, cursor))
 
     async def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
                         ) -> AsyncIterator[JobView]:
@@ -717,7 +572,7 @@ class AsyncClient(_Base):
         params = logs_params(node=node, rank=rank, tail=tail, follow=follow)
         try:
             async with self._http.stream(
-                "GET", _job_path(job_id, "/logs"), params=params,
+                "GET", job_path(job_id, "/logs"), params=params,
                 headers={"Accept": "text/plain"}, timeout=self._stream_timeouts(follow),
             ) as response:
                 if not response.is_success:
@@ -731,28 +586,46 @@ class AsyncClient(_Base):
 
     async def events(self, job_id: str) -> EventList:
         """See :meth:`Client.events`."""
-        return await self._run(_events(job_id))
+        return await self._run(events_call(job_id))
 
     async def scale(self, job_id: str, *, min_nodes: int | None = None,
                     max_nodes: int | None = None) -> JobView:
         """See :meth:`Client.scale`."""
-        return await self._run(_scale(job_id, min_nodes, max_nodes))
+        return await self._run(scale_call(job_id, min_nodes, max_nodes))
 
     async def cancel(self, job_id: str) -> JobView:
         """See :meth:`Client.cancel`."""
-        return await self._run(_cancel(job_id))
+        return await self._run(cancel_call(job_id))
 
     async def nodes(self) -> builtins.list[NodeView]:
         """See :meth:`Client.nodes`."""
-        return await self._run(_nodes())
+        return await self._run(nodes_call())
 
     async def drain(self, node_id: str) -> NodeView:
         """See :meth:`Client.drain`."""
-        return await self._run(_drain(node_id, on=True))
+        return await self._run(drain_call(node_id, on=True))
 
     async def undrain(self, node_id: str) -> NodeView:
         """See :meth:`Client.undrain`."""
-        return await self._run(_drain(node_id, on=False))
+        return await self._run(drain_call(node_id, on=False))
+
+    async def queues(self) -> QueueList:
+        """See :meth:`Client.queues`."""
+        return await self._run(queues_call())
+
+    async def create_queue(self, name: str, *, guaranteed: int = 0, limit: int | None = None,
+                           weight: float = 1.0) -> QueueChanged:
+        """See :meth:`Client.create_queue`."""
+        return await self._run(create_queue_call(name, guaranteed=guaranteed, limit=limit,
+                                                 weight=weight))
+
+    async def update_queue(self, name: str, **changes: Any) -> QueueChanged:
+        """See :meth:`Client.update_queue`."""
+        return await self._run(update_queue_call(name, changes))
+
+    async def delete_queue(self, name: str) -> QueueView:
+        """See :meth:`Client.delete_queue`."""
+        return await self._run(delete_queue_call(name))
 
 
 # The command line's older name for the blocking client.

@@ -80,9 +80,7 @@ from service.cli_views import (
 from service.client import (
     EXIT_INTERRUPTED,
     EXIT_OK,
-    OUTAGE_TOLERANCE_S,
     PHASE_EXIT,
-    POLL_INTERVAL_S,
     ApiError,
     Client,
     InvalidSpecError,
@@ -90,6 +88,7 @@ from service.client import (
     build_spec,
     default_name,
 )
+from service.client_calls import OUTAGE_TOLERANCE_S, POLL_INTERVAL_S
 from service.follow import FollowConsole, LogStreamer, StepRate, parse_log_line, progress_of
 from service.jobfile import JobFileError, job_fields
 from service.models import JobEvent, JobPhase, JobView

@@ -11,25 +11,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import click
-from pydantic import TypeAdapter
 
 from service.cli_common import connect
 from service.cli_common import json_option as _json_option
 from service.cli_common import target_options as _target_options
 from service.cli_output import dump_json, table
-from service.client import Client, _Call
-from service.queues import QUEUE_PATTERN, QueueChanged, QueueList, QueueView
-
-_LIST: TypeAdapter[QueueList] = TypeAdapter(QueueList)
-_CHANGED: TypeAdapter[QueueChanged] = TypeAdapter(QueueChanged)
-_VIEW: TypeAdapter[QueueView] = TypeAdapter(QueueView)
-
-
-def _path(name: str) -> str:
-    return f"/v1/queues/{quote(name, safe='')}"
+from service.queues import QUEUE_PATTERN, QueueChanged
 
 
 def _check_name(_: click.Context, __: click.Parameter, value: str) -> str:
@@ -37,10 +26,6 @@ def _check_name(_: click.Context, __: click.Parameter, value: str) -> str:
         raise click.BadParameter(f"queue name {value!r} is not valid: use 1-63 characters "
                                  "from [A-Za-z0-9._-], starting with a letter or digit")
     return value
-
-
-def _run(client: Client, call: _Call[Any]) -> Any:
-    return client._run(call)  # the client's one way of calling a route and reading its answer
 
 
 def _show_changed(changed: QueueChanged, verb: str, as_json: bool) -> None:
@@ -73,9 +58,8 @@ def queue_group() -> None:
 def create_command(name: str, guaranteed: int, limit: int | None, weight: float, as_json: bool,
                    url: str | None, token: str | None, state_dir: Path | None) -> None:
     """Create queue NAME (admin token)."""
-    body = {"name": name, "guaranteed": guaranteed, "limit": limit, "weight": weight}
     with connect(url, token, state_dir) as client:
-        changed = _run(client, _Call("POST", "/v1/queues", _CHANGED, json=body))
+        changed = client.create_queue(name, guaranteed=guaranteed, limit=limit, weight=weight)
     _show_changed(changed, "created", as_json)
 
 
@@ -98,7 +82,7 @@ def set_command(name: str, guaranteed: int | None, limit: int | None, no_limit: 
     if not body:
         raise click.UsageError("give --guaranteed, --limit, --no-limit or --weight")
     with connect(url, token, state_dir) as client:
-        changed = _run(client, _Call("PATCH", _path(name), _CHANGED, json=body))
+        changed = client.update_queue(name, **body)
     _show_changed(changed, "changed", as_json)
 
 
@@ -110,7 +94,7 @@ def list_command(as_json: bool, url: str | None, token: str | None,
     """Queues and their slots: guaranteed, in use, borrowed beyond the guarantee,
     waiting (what waiting jobs need to start)."""
     with connect(url, token, state_dir) as client:
-        listed: QueueList = _run(client, _Call("GET", "/v1/queues", _LIST))
+        listed = client.queues()
     if as_json:
         click.echo(dump_json(listed.model_dump(mode="json")))
     else:
@@ -132,7 +116,7 @@ def delete_command(name: str, url: str | None, token: str | None,
                    state_dir: Path | None) -> None:
     """Delete queue NAME; refused while unfinished jobs use it (admin token)."""
     with connect(url, token, state_dir) as client:
-        _run(client, _Call("DELETE", _path(name), _VIEW))
+        client.delete_queue(name)
     click.echo(f"deleted queue {name}")
 
 

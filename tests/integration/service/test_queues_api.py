@@ -3,6 +3,7 @@ registered straight into etcd (leased records, no agents)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
+from service.client import AsyncClient, Client, ConflictError, ForbiddenError, NotFoundError
 from tests.support.coordinator import TOKEN, CoordinatorProcess, job_spec
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
@@ -181,6 +183,11 @@ def test_the_queue_commands_and_submit_to_a_queue(
     assert "warning:" in listed.stderr
     as_json = json.loads(_tidal(coordinator, tmp_path, "queue", "list", "--json").stdout)
     assert {q["name"] for q in as_json["queues"]} == {"a", "b", "default"}
+    changed = _tidal(coordinator, tmp_path, "queue", "set", "a", "--no-limit", "--weight", "3")
+    assert changed.returncode == 0, changed.stderr
+    assert changed.stdout.strip() == "changed queue a: guaranteed 2, limit none, weight 3"
+    nothing = _tidal(coordinator, tmp_path, "queue", "set", "a")
+    assert nothing.returncode == 2 and "give --guaranteed" in nothing.stderr
     unknown = _tidal(coordinator, tmp_path, "submit", "--queue", "nope", "--no-wait", "--",
                      sys.executable, "-c", "pass")
     assert unknown.returncode != 0 and "queue nope does not exist" in unknown.stderr
@@ -189,3 +196,36 @@ def test_the_queue_commands_and_submit_to_a_queue(
     assert busy.returncode != 0 and "unfinished jobs" in busy.stderr
     scoped = _tidal(coordinator, tmp_path, "queue", "create", "x", token=TEAM_A_TOKEN)
     assert scoped.returncode != 0 and "only the admin token may manage queues" in scoped.stderr
+
+
+def test_the_python_clients_manage_queues_like_the_commands(
+    coordinator: CoordinatorProcess, nodes: None, tmp_path: Path
+) -> None:
+    with Client(coordinator.url, TOKEN, state_dir=tmp_path) as tidal:
+        made = tidal.create_queue("a", guaranteed=2, limit=3, weight=2)
+        assert (made.queue.guaranteed, made.queue.limit, made.queue.weight) == (2, 3, 2.0)
+        assert made.warning is None
+        over = tidal.create_queue("b", guaranteed=2)
+        assert over.warning is not None and "add up to 4" in over.warning
+        with pytest.raises(ConflictError):
+            tidal.create_queue("a")
+        changed = tidal.update_queue("a", limit=None, weight=0.5)
+        assert (changed.queue.limit, changed.queue.weight) == (None, 0.5)
+        with pytest.raises(ValueError, match="no setting colour"):
+            tidal.update_queue("a", colour="red")
+        with pytest.raises(NotFoundError):
+            tidal.update_queue("nope", weight=1.0)
+        assert {q.name for q in tidal.queues().queues} == {"a", "b", "default"}
+        assert tidal.delete_queue("b").name == "b"
+    with Client(coordinator.url, TEAM_A_TOKEN, state_dir=tmp_path) as team, \
+            pytest.raises(ForbiddenError):
+        team.create_queue("x")
+
+    async def the_twin() -> set[str]:
+        async with AsyncClient(coordinator.url, TOKEN, state_dir=tmp_path) as tidal:
+            await tidal.update_queue("a", guaranteed=1)
+            await tidal.create_queue("c")
+            await tidal.delete_queue("c")
+            return {f"{q.name}:{q.guaranteed}" for q in (await tidal.queues()).queues}
+
+    assert asyncio.run(the_twin()) == {"a:1", "default:0"}
