@@ -53,6 +53,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from agent import live
 from agent.admission import record_nodes
+from agent.bounds import BoundsFollower
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
@@ -611,6 +612,10 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),
     )
+    # New bounds written into the assignment in place (a PATCH) reach the
+    # rendezvous without a restart (agent.bounds).
+    bounds = BoundsFollower(client, keys.assignment(spec.node_id, job.job_id), job.generation,
+                            on_change=handler.set_bounds).start()
     cap = LogCap(spec.job_dir / "logs", max_bytes=spec.log_max_bytes).start()
     # Join the job only once workers can start fast: the running nodes keep
     # training meanwhile instead of waiting for this node's imports.
@@ -634,6 +639,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         return EXIT_STOPPED
     finally:
         _ignore_stop_requests()
+        bounds.stop()
         cap.close()
         reporter.close()
     if result.is_failed():

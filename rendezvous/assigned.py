@@ -405,6 +405,20 @@ class AssignedRendezvousHandler(RendezvousHandler):
             and (room or n in nodes)
         )
 
+    def set_bounds(self, min_nodes: int, max_nodes: int) -> None:
+        """Take new bounds (a PATCH rewrote the assignment in place): later rounds use them.
+
+        A larger ``max_nodes`` gives a waiting newcomer room at once
+        (:meth:`pending_change`); the current round is not touched otherwise.
+        Bounds that do not make sense are ignored with a warning.
+        """
+        if not 1 <= min_nodes <= max_nodes:
+            log.warning("ignoring bounds %d..%d for job %s", min_nodes, max_nodes, self._run_id)
+            return
+        with self._cond:
+            self._min, self._max = min_nodes, max_nodes
+            self._cond.notify_all()
+
     def current_round(self) -> int:
         """The number of this node's current (or last) round; 0 before its first."""
         with self._cond:

@@ -302,3 +302,23 @@ def test_leaving_is_not_announced_once_the_record_is_gone(
     etcd_client.delete(key)  # its lease ended meanwhile: the put must not bring it back
     assert not b.announce_leaving()
     assert etcd_client.get(key) is None
+
+
+def test_a_larger_max_nodes_gives_a_waiting_newcomer_room_without_a_new_handler(
+    make: Make,
+) -> None:
+    # A PATCH rewrites the assignments' bounds in place (agent.bounds): the
+    # members' handlers take them, and c, kept out of a full round, is waited for.
+    a, b = (make(n, max_nodes=2, expected={"a", "b"}) for n in ("a", "b"))
+    together(a, b)
+    c = make("c", max_nodes=3)
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(c.next_rendezvous)
+        wait_for(lambda: "c" in a._joins, timeout=10, what="a to see c's record")
+        assert a.pending_change() is None  # the round is full
+        a.set_bounds(1, 3)
+        b.set_bounds(1, 3)
+        change = wait_for(a.pending_change, timeout=10, what="a to see c waiting")
+        assert (change.kind, change.nodes) == ("waiting", frozenset({"c"}))
+        infos = together(a, b)
+        assert [i.world_size for i in (*infos, late.result(timeout=30))] == [3, 3, 3]
