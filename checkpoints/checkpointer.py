@@ -24,7 +24,6 @@ documented in docs/checkpoints.md.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -53,18 +52,11 @@ from checkpoints.live import (
     Action,
     LiveResizeError,
     LiveState,
-    NoticeWatch,
     Resize,
     SyncResult,
-    WorkerLive,
-    decide,
-    pending_round,
-    read_leave_notice,
+    WorkerLink,
     rejoin,
     sync_state,
-    wait_for_notice,
-    worker_live_path,
-    write_worker_live,
 )
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
@@ -229,17 +221,16 @@ class Checkpointer:
         self._jit_wanted = jit_save
         self._jit = self._make_jit(jit_save)
         # The live resize: the step this process holds in memory (-1: nothing
-        # yet), the round it last resized into, and where its runner talks to it.
+        # yet), and its end of the files its runner talks to it through.
         self._live_step = -1
-        self._round = 0
         self._previous_world_size = self.world_size
         self._on_resize = on_resize
-        self._live_dir = self._live_directory(on_resize)
-        self._notices = NoticeWatch(self._live_dir) if self._live_dir is not None else None
-        self._report_live(LiveState.READY, step=None)
+        self._live = self._make_live_link(on_resize)
+        if self._live is not None:
+            self._live.report(LiveState.READY, step=None)
 
-    def _live_directory(self, on_resize: Callable[[Resize], None] | None) -> Path | None:
-        """The progress directory, when the live path can be taken; None otherwise."""
+    def _make_live_link(self, on_resize: Callable[[Resize], None] | None) -> WorkerLink | None:
+        """The worker's end of the live-resize files, when the live path can be taken."""
         directory = os.environ.get(PROGRESS_DIR_ENV)
         distributed = dist.is_available() and dist.is_initialized()
         if on_resize is None or not directory or not distributed:
@@ -247,7 +238,7 @@ class Checkpointer:
         if self._sharded:
             log.warning("no live resize with sharded state: a resize restarts the workers")
             return None
-        return Path(directory)
+        return WorkerLink(Path(directory), local_rank=self._local_rank)
 
     @property
     def _local_rank(self) -> int:
@@ -324,7 +315,7 @@ class Checkpointer:
             CheckpointError: when another rank cannot read the checkpoint rank 0
                 chose, or the checkpoint does not fit the model.
         """
-        if self._live_dir is not None:
+        if self._live is not None:
             joined = self._restore_live()
             if joined is not None:
                 return joined
@@ -468,7 +459,7 @@ class Checkpointer:
         self._poll_writer()
         stop = self._stop.requested
         time_due = self._time_due()
-        resize_round = self._pending_round()
+        resize_round = self._live.flag() if self._live is not None else 0
         if self._consensus is not None:
             agreed_stop, agreed_time, resize_round = self._consensus.exchange(
                 [int(stop), int(time_due), resize_round]
@@ -512,9 +503,8 @@ class Checkpointer:
             self._consensus.drain()
         self._stop.uninstall()
         self._progress.flush()
-        if self._live_dir is not None:  # no longer able to resize: the runner restarts instead
-            with contextlib.suppress(OSError):
-                worker_live_path(self._live_dir, self._local_rank).unlink()
+        if self._live is not None:  # no longer able to resize: the runner restarts instead
+            self._live.withdraw()
         self._raise_if_failed()
 
     def __enter__(self) -> Checkpointer:
@@ -536,22 +526,10 @@ class Checkpointer:
 
     # -------------------------------------------------------------- live resize
 
-    def _pending_round(self) -> int:
-        """This rank's flag: the round of its node's resize notice, if not acted on yet."""
-        if self._notices is None:
-            return 0
-        return pending_round(self._notices.current(), self._round)
-
     def _act_live(self, step: int, agreed_round: int) -> None:
         """At the boundary where the ranks agreed on a newer round: leave, resize, or go on."""
-        assert self._live_dir is not None and self._notices is not None
-        notice = self._notices.current()
-        action = decide(
-            agreed_round=agreed_round,
-            current_round=self._round,
-            leaving=read_leave_notice(self._live_dir) is not None,
-            notice_round=None if notice is None else notice.round,
-        )
+        assert self._live is not None
+        action = self._live.action(agreed_round)
         if action is Action.LEAVE:
             self._leave(step)
         elif action is Action.RESIZE:
@@ -574,7 +552,8 @@ class Checkpointer:
             "the others hold the state)", self.rank, step, EXIT_LEFT,
         )
         self._quiesce()
-        self._report_live(LiveState.LEFT, step=step)
+        assert self._live is not None
+        self._live.report(LiveState.LEFT, step=step)
         self._closed = True
         self._stop.uninstall()
         self._progress.flush()
@@ -587,10 +566,10 @@ class Checkpointer:
             LiveResizeError: when this node's notice does not come in time.
             CheckpointError, RuntimeError: when the group or the state sync fails.
         """
-        assert self._live_dir is not None and self._on_resize is not None
+        assert self._live is not None and self._on_resize is not None
         started = time.monotonic()
-        notice = wait_for_notice(self._live_dir, min_round=agreed_round)
-        self._report_live(LiveState.RESIZING, step=step)
+        notice = self._live.notice(agreed_round)
+        self._live.report(LiveState.RESIZING, step=step)
         self._previous_world_size = self.world_size
         self._quiesce()
         rejoin(notice, local_rank=self._local_rank)
@@ -603,14 +582,14 @@ class Checkpointer:
                 f"rank {self.rank} holds step {step} but rank {synced.source} holds "
                 f"{synced.step}: the ranks did not stop at the same step"
             )
-        self._round = notice.round
+        self._live.round = notice.round
         self._on_resize(Resize(
             rank=self.rank, world_size=self.world_size,
             previous_world_size=self._previous_world_size, step=step, round=notice.round,
         ))
         if self._jit is not None:
             self._jit.boundary(step)
-        self._report_live(LiveState.RESIZED, step=step)
+        self._live.report(LiveState.RESIZED, step=step)
         log.info(
             "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s",
             step, self.rank, self.world_size, self._previous_world_size, notice.round,
@@ -661,16 +640,6 @@ class Checkpointer:
             step=synced.step, fresh=False, path=None, saved_world_size=int(live["world_size"]),
             extra=extra,
         )
-
-    def _report_live(self, state: LiveState, *, step: int | None) -> None:
-        """Tell the runner where this worker is on the live path (if it can take it)."""
-        if self._live_dir is None:
-            return
-        live = WorkerLive(pid=os.getpid(), round=self._round, step=step, state=state)
-        try:
-            write_worker_live(self._live_dir, self._local_rank, live)
-        except OSError as exc:
-            log.warning("cannot report the live-resize state to the runner: %s", exc)
 
     def _time_due(self) -> bool:
         if self._every_seconds is None:

@@ -89,6 +89,7 @@ __all__ = [
     "Resize",
     "ResizeNotice",
     "SyncResult",
+    "WorkerLink",
     "WorkerLive",
     "choose_source",
     "clear_live_files",
@@ -487,6 +488,53 @@ class NoticeWatch:
         if key != self._seen:
             self._seen, self._notice = key, read_resize_notice(self._directory)
         return self._notice
+
+
+class WorkerLink:
+    """A worker's end of the files: its node's notices, its own ``live-<local_rank>.json``.
+
+    Args:
+        directory: the progress directory its runner watches.
+        local_rank: this worker's local rank (its file's name).
+    """
+
+    def __init__(self, directory: Path, *, local_rank: int) -> None:
+        self.directory, self.local_rank = directory, local_rank
+        self.round = 0  # the round this worker last resized into
+        self._watch = NoticeWatch(directory)
+
+    def flag(self) -> int:
+        """This rank's contribution to the agreement (:func:`pending_round`)."""
+        return pending_round(self._watch.current(), self.round)
+
+    def action(self, agreed_round: int) -> Action:
+        """What to do now that the ranks agreed on ``agreed_round`` (:func:`decide`)."""
+        notice = self._watch.current()
+        return decide(
+            agreed_round=agreed_round,
+            current_round=self.round,
+            leaving=read_leave_notice(self.directory) is not None,
+            notice_round=None if notice is None else notice.round,
+        )
+
+    def notice(self, agreed_round: int) -> ResizeNotice:
+        """This node's notice of ``agreed_round`` or later (waits, bounded; see
+        :func:`wait_for_notice`)."""
+        return wait_for_notice(self.directory, min_round=agreed_round)
+
+    def report(self, state: LiveState, *, step: int | None) -> None:
+        """Tell the runner where this worker is (a failure to write is logged: the runner
+        then does not see the worker as capable, or times out and restarts the group)."""
+        live = WorkerLive(pid=os.getpid(), round=self.round, step=step, state=state)
+        try:
+            write_worker_live(self.directory, self.local_rank, live)
+        except OSError as exc:
+            log.warning("cannot report the live-resize state to the runner: %s", exc)
+
+    def withdraw(self) -> None:
+        """This worker can no longer resize (its checkpointer is closed): remove its file."""
+        with contextlib.suppress(OSError):
+            worker_live_path(self.directory, self.local_rank).unlink()
 
 
 # ------------------------------------------------------------- re-forming
