@@ -5,6 +5,8 @@
   comes back when a node returns; cancel stops every worker;
 * a scale-down by PATCH drains gracefully: the job resumes at the smaller size
   from the step it had completed, with no completed step lost;
+* new bounds that change no membership (min 2 -> 1, max 2 -> 4 with only two
+  agents) restart nothing: the same runner and worker processes train on;
 * the coordinator is SIGKILLed mid-job: training goes on, and the restarted
   coordinator shows the same job, on the same nodes, without rescheduling it.
 """
@@ -14,12 +16,20 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from rendezvous.client import EtcdClient
-from tests.support.agents import ELASTIC_DDP, AgentCluster, processes_of_node, read_events
+from rendezvous.records import Assignment
+from tests.support.agents import (
+    ELASTIC_DDP,
+    AgentCluster,
+    processes_of_node,
+    read_events,
+    statuses,
+)
 from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.wait import wait_for
 
@@ -35,6 +45,18 @@ def _running_at(api: httpx.Client, job_id: str, size: int) -> bool:
 
 def _reasons(api: httpx.Client, job_id: str) -> list[str]:
     return [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["events"]]
+
+
+def _mlp(tmp_path: Path, *, min_nodes: int, max_nodes: int, global_batch: int,
+         grace_s: float) -> dict[str, Any]:
+    """examples/mlp.py at 0.1 s a step, saving only when stopped (a SIGTERM)."""
+    return {
+        "name": "mlp",
+        "command": [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--total-steps", "100000", "--global-batch-size", str(global_batch),
+                    "--every-steps", "100000", "--step-seconds", "0.1"],
+        "min_nodes": min_nodes, "max_nodes": max_nodes, "grace_period_s": grace_s,
+    }
 
 
 @pytest.mark.slow
@@ -108,13 +130,7 @@ def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step
     api = coordinator.client()
     for node in ("a", "b", "c"):
         agents.start_agent(node)
-    spec = {
-        "name": "mlp",
-        "command": [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                    "--total-steps", "100000", "--global-batch-size", "12",
-                    "--every-steps", "100000", "--step-seconds", "0.1"],
-        "min_nodes": 1, "max_nodes": 3, "grace_period_s": 20,
-    }
+    spec = _mlp(tmp_path, min_nodes=1, max_nodes=3, global_batch=12, grace_s=20)
     job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
     wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="RUNNING at world size 3")
     wait_for(lambda: (job_view(api, job_id)["last_step"] or 0) >= 5, timeout=60, what="5 steps")
@@ -140,6 +156,64 @@ def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step
     assert "scaled_by_user" in _reasons(api, job_id)
     view = job_view(api, job_id)
     assert len(view["nodes"]) == 2 and view["spec"]["max_nodes"] == 2
+
+
+_PAIR = ("a", "b")
+
+
+def _assignments(client: EtcdClient, job_id: str) -> dict[str, Assignment]:
+    return {node: Assignment.model_validate_json(kv.value) for node in _PAIR
+            if (kv := client.get(client.keys.assignment(node, job_id))) is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_new_bounds_alone_restart_no_runner_and_no_worker(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
+) -> None:
+    """Only two agents exist, so min 2 -> 1 and max 2 -> 4 change no membership: both
+    assignments are rewritten in place at their generations and every process goes on."""
+    coordinator, agents = cluster
+    api = coordinator.client()
+    for node in _PAIR:
+        agents.start_agent(node)
+    spec = _mlp(tmp_path, min_nodes=2, max_nodes=2, global_batch=8, grace_s=10)
+    job_id = api.post("/v1/jobs", json=spec).json()["job_id"]
+    try:
+        wait_for(lambda: (v := job_view(api, job_id))["phase"] == "RUNNING"
+                 and v["world_size"] == 2 and (v["last_step"] or 0) >= 3,
+                 timeout=120, what="RUNNING at world size 2, 3 steps done")
+        before = {node: processes_of_node(node) for node in _PAIR}
+        runners = {node: st.pid for node, st in statuses(etcd_client, job_id).items()}
+        generations = {n: a.generation for n, a in _assignments(etcd_client, job_id).items()}
+        restarts = job_view(api, job_id)["restarts"]
+        assert set(generations) == set(_PAIR)
+        # Runner, zygote and a worker at least, each.
+        assert all(len(pids) >= 3 for pids in before.values()), before
+        assert all(runners[node] in before[node] for node in _PAIR), (runners, before)
+
+        response = api.patch(f"/v1/jobs/{job_id}", json={"min_nodes": 1, "max_nodes": 4})
+        assert response.status_code == 200, response.text
+        wait_for(lambda: {n: (a.generation, a.min_nodes, a.max_nodes)
+                          for n, a in _assignments(etcd_client, job_id).items()}
+                 == {n: (g, 1, 4) for n, g in generations.items()},
+                 timeout=30, what="both assignments rewritten in place with bounds 1..4")
+        step = job_view(api, job_id)["last_step"] or 0
+        wait_for(lambda: (job_view(api, job_id)["last_step"] or 0) >= step + 10, timeout=60,
+                 what="ten more steps after the PATCH")
+
+        assert {node: processes_of_node(node) for node in _PAIR} == before
+        assert {n: st.pid for n, st in statuses(etcd_client, job_id).items()} == runners
+        view = job_view(api, job_id)
+        assert (view["spec"]["min_nodes"], view["spec"]["max_nodes"]) == (1, 4)
+        assert view["phase"] == "RUNNING" and view["world_size"] == 2
+        assert view["restarts"] == restarts
+        events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
+        scaled = [e["message"] for e in events if e["reason"] == "scaled_by_user"]
+        assert scaled[-1].endswith("nothing restarts"), scaled
+    except Exception:
+        print(agents.log_tails())
+        raise
 
 
 @pytest.mark.slow
