@@ -146,6 +146,10 @@ class EventReason(str, Enum):
     # its minimum (a graceful resize), or stopped whole and back to PENDING
     RECLAIMED = "reclaimed"
     PREEMPTED = "preempted"
+    # which way a membership change went on the nodes that stayed (agent.live): their
+    # workers re-formed the process group in place, or were restarted from the newest state
+    RESIZED_LIVE = "resized_live"
+    RESIZED_BY_RESTART = "resized_by_restart"
 
 
 ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]
@@ -343,6 +347,16 @@ class ChargedRestarts(BaseModel):
     worker_failed: int = Field(default=0, ge=0)
 
 
+class SeenResizes(BaseModel):
+    """The resize paths one node's status reported for its assignment's generation
+    (``JobNodeStatus.resize_paths``), as far as the coordinator gave them events."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation: int = Field(ge=1)
+    paths: dict[str, int] = Field(default_factory=dict, max_length=4)
+
+
 class JobRecord(BaseModel):
     """What etcd holds at ``jobs/<id>``. Written by the coordinator only.
 
@@ -383,6 +397,9 @@ class JobRecord(BaseModel):
     restarts: dict[str, int] = Field(default_factory=dict)
     charged: dict[str, ChargedRestarts] = Field(
         default_factory=dict, description="node -> restarts of its generation in `restarts`"
+    )
+    resized: dict[str, SeenResizes] = Field(
+        default_factory=dict, description="node -> resize paths of its generation in events"
     )
 
     def condition_differs(self, type_: str, status: bool, reason: str) -> bool:

@@ -59,6 +59,7 @@ from service.models import (
     JobEvent,
     JobPhase,
     JobRecord,
+    SeenResizes,
 )
 from service.queues import QueueSpec, Usage, queue_usage, with_default
 
@@ -239,6 +240,35 @@ def restart_charges(
     return folded, rises
 
 
+def resize_rises(
+    seen: Mapping[str, SeenResizes],
+    generations: Mapping[str, int],
+    statuses: Mapping[str, JobNodeStatus],
+) -> tuple[dict[str, SeenResizes], dict[str, list[JobNodeStatus]]]:
+    """Fold the resize paths the nodes report (agent.live) into what the record gave events.
+
+    Args:
+        seen: the record's ``resized``.
+        generations: node -> generation of the job's assignment there (in force).
+        statuses: node -> what that node's agent reported for the job.
+
+    Returns:
+        The new ``resized``, and by path ("live", "restart") the reports of the
+        nodes whose count of it rose (sorted by node). Entries of nodes no
+        longer assigned at that generation are dropped.
+    """
+    folded = {node: s for node, s in seen.items() if generations.get(node) == s.generation}
+    rises: dict[str, list[JobNodeStatus]] = {}
+    for node, st in sorted(statuses_in_force(generations, dict(statuses)).items()):
+        before = folded[node].paths if node in folded else {}
+        risen = [p for p, count in st.resize_paths.items() if count > before.get(p, 0)]
+        if risen:
+            folded[node] = SeenResizes(generation=st.generation, paths=dict(st.resize_paths))
+            for path in risen:
+                rises.setdefault(path, []).append(st)
+    return folded, rises
+
+
 #: Nodes a message lists by name; the rest are counted ("and 280 more").
 MAX_NAMES_IN_MESSAGE = 16
 #: Longest error text an event or condition quotes.
@@ -399,6 +429,7 @@ class _Planner:
                     self.change(record.job_id).delete.extend(sorted(assigned))
                 continue
             self._count_charges(record, assigned)
+            self._count_resizes(record, assigned)
             if self._finish_if_done(record, assigned):
                 continue
             self._keep_usable(record, assigned)
@@ -453,6 +484,30 @@ class _Planner:
                 message += f": {_clip(error.message)}"
             self.event(job_id, EventReason.RESTART_CHARGED, message, [charge.node_id],
                        members=len(assigned))  # before this pass decides who stays
+
+    def _count_resizes(self, record: JobRecord, assigned: dict[str, Assignment]) -> None:
+        """One event per path the nodes' membership changes took since the last pass."""
+        job_id = record.job_id
+        generations = {n: a.generation for n, a in assigned.items()}
+        folded, rises = resize_rises(
+            record.resized, generations, self.view.statuses.get(job_id, {})
+        )
+        if folded == record.resized:
+            return
+        self.change(job_id).record.resized = folded
+        for path, reports in sorted(rises.items()):
+            nodes = [st.node_id for st in reports]
+            if path == "live":
+                reason, message = EventReason.RESIZED_LIVE, f"resized live on {names(nodes)}"
+            else:
+                # last_resize is "restart (<cause>)" when a live resize fell back
+                causes = sorted({c for st in reports
+                                 if (c := (st.last_resize or "").partition("(")[2].rstrip(")"))})
+                reason = EventReason.RESIZED_BY_RESTART
+                message = f"resized by a restart on {names(nodes)}"
+                if causes:
+                    message += f": {_clip('; '.join(causes))}"
+            self.event(job_id, reason, message, nodes, members=len(assigned))
 
     def _finish_if_done(self, record: JobRecord, assigned: dict[str, Assignment]) -> bool:
         job_id = record.job_id
