@@ -15,22 +15,27 @@ micro-batches of at most 4).
 from __future__ import annotations
 
 import collections
+import datetime
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from checkpoints import Checkpointer, Resize
 from checkpoints.live import (
     EXIT_LEFT,
     LiveState,
     ResizeNotice,
+    WorkerLive,
     read_worker_live,
     write_leave_notice,
     write_resize_notice,
@@ -107,23 +112,27 @@ def notice(round_: int, *, port: int, world_size: int, rank: int) -> ResizeNotic
     )
 
 
-def reference(procs: ProcessGroupRegistry, tmp_path: Path) -> dict[str, Any]:
+def start_reference(procs: ProcessGroupRegistry, tmp_path: Path) -> subprocess.Popen[bytes]:
     """The same training in one uninterrupted process."""
-    record, log_path = tmp_path / "reference.json", tmp_path / "reference.log"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TIDAL_", "TORCHELASTIC")) and k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     argv = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"),
-            "--record", str(record), *ARGS]
-    proc = procs.spawn(argv, log_path=log_path, env=env, cwd=REPO)
+            "--record", str(tmp_path / "reference.json"), *ARGS]
+    return procs.spawn(argv, log_path=tmp_path / "reference.log", env=env, cwd=REPO)
+
+
+def reference(proc: subprocess.Popen[bytes], tmp_path: Path) -> dict[str, Any]:
     wait_for(lambda: proc.poll() is not None, timeout=120, what="the reference run to finish")
-    assert proc.returncode == 0, log_path.read_text(errors="replace")[-3000:]
-    return dict(json.loads(record.read_text()))
+    log_text = (tmp_path / "reference.log").read_text(errors="replace")
+    assert proc.returncode == 0, log_text[-3000:]
+    return dict(json.loads((tmp_path / "reference.json").read_text()))
 
 
 def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted_run(
     tmp_path: Path, procs: ProcessGroupRegistry
 ) -> None:
+    uninterrupted = start_reference(procs, tmp_path)
     a, b, c = (Node(procs, tmp_path, name) for name in "abc")
     port = free_port()
     a.start(rank=0, world_size=2, port=port)
@@ -174,7 +183,7 @@ def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted
 
     # The final parameters are the uninterrupted run's; so are the samples of the
     # steps the final ranks took together (the leaver's shares left with it).
-    ref = reference(procs, tmp_path)
+    ref = reference(uninterrupted, tmp_path)
     live = json.loads((tmp_path / "live.json").read_text())
     assert [s["step"] for s in live["steps"]] == list(range(TOTAL_STEPS))
     for got, want in zip(live["steps"], ref["steps"], strict=True):
@@ -185,3 +194,60 @@ def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted
     final, expected = params_of(live), params_of(ref)
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], atol=ATOL, rtol=0)
+
+
+@pytest.fixture
+def single_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """This process as rank 0 of 1 (gloo), its progress directory set; the group ends after."""
+    progress = tmp_path / "node"
+    progress.mkdir()
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port()), TIDAL_PROGRESS_DIR=str(progress)).items():
+        monkeypatch.setenv(name, value)
+    for name in ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # a resize sets them: put them back after
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        yield progress
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_single_rank_announces_the_live_path_resizes_into_a_new_group_and_withdraws(
+    single_rank: Path, tmp_path: Path
+) -> None:
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[Resize] = []
+    ckpt = Checkpointer(tmp_path / "ckpt", model=model, optimizer=optimizer,
+                        handle_sigterm=False, on_resize=seen.append)
+    assert read_worker_live(single_rank, 0) == WorkerLive(os.getpid(), 0, None, LiveState.READY)
+    assert ckpt.restore().fresh
+    ckpt.maybe_save(1)
+    assert not seen
+
+    port = free_port()
+    write_resize_notice(single_rank, ResizeNotice(
+        round=4, master_addr="127.0.0.1", master_port=port, world_size=1, ranks={0: 0},
+        written_at=time.time(), group_rank=0, group_world_size=1,
+    ))
+    ckpt.maybe_save(2)  # a single rank needs no agreement: it acts at once
+    assert seen == [Resize(rank=0, world_size=1, previous_world_size=1, step=2, round=4)]
+    assert read_worker_live(single_rank, 0) == WorkerLive(os.getpid(), 4, 2, LiveState.RESIZED)
+    assert (os.environ["MASTER_PORT"], os.environ["GROUP_WORLD_SIZE"]) == (str(port), "1")
+    dist.barrier()  # the new group works
+    ckpt.maybe_save(3)  # the same notice again: nothing to do
+    assert len(seen) == 1
+    ckpt.close()
+    assert read_worker_live(single_rank, 0) is None  # closed: it can no longer resize
+
+
+def test_without_on_resize_or_a_progress_directory_nothing_is_announced(
+    single_rank: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.Linear(3, 1)
+    Checkpointer(tmp_path / "a", model=model, handle_sigterm=False).close()
+    monkeypatch.delenv("TIDAL_PROGRESS_DIR")
+    Checkpointer(tmp_path / "b", model=model, handle_sigterm=False, on_resize=print).close()
+    assert not list(single_rank.glob("live-*"))
