@@ -6,7 +6,8 @@
 * a scale-down by PATCH drains gracefully: the job resumes at the smaller size
   from the step it had completed, with no completed step lost;
 * new bounds that change no membership (min 2 -> 1, max 2 -> 4 with only two
-  agents) restart nothing: the same runner and worker processes train on;
+  agents) restart nothing: the same runner and worker processes train on; the
+  runners follow the new maximum, so a third agent joins without restarting them;
 * the coordinator is SIGKILLed mid-job: training goes on, and the restarted
   coordinator shows the same job, on the same nodes, without rescheduling it.
 """
@@ -172,7 +173,8 @@ def test_new_bounds_alone_restart_no_runner_and_no_worker(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
 ) -> None:
     """Only two agents exist, so min 2 -> 1 and max 2 -> 4 change no membership: both
-    assignments are rewritten in place at their generations and every process goes on."""
+    assignments are rewritten in place at their generations and every process goes on.
+    A third agent then joins under the new maximum, without a runner restart."""
     coordinator, agents = cluster
     api = coordinator.client()
     for node in _PAIR:
@@ -211,6 +213,15 @@ def test_new_bounds_alone_restart_no_runner_and_no_worker(
         events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
         scaled = [e["message"] for e in events if e["reason"] == "scaled_by_user"]
         assert scaled[-1].endswith("nothing restarts"), scaled
+
+        # The running runners took the new maximum over (agent.bounds): a third
+        # node now has room in their rendezvous, and joins without a runner restart.
+        agents.start_agent("c")
+        wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="grown to world size 3")
+        kept = {n: st.pid for n, st in statuses(etcd_client, job_id).items() if n in _PAIR}
+        assert kept == runners
+        assert {n: a.generation for n, a in _assignments(etcd_client, job_id).items()} \
+            == generations
     except Exception:
         print(agents.log_tails())
         raise
