@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rendezvous import worker_env
 from rendezvous.client import EtcdClient, KeyValue
 from rendezvous.errors import EtcdError
 from rendezvous.records import Assignment
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: Variables the coordinator adds to a job's environment from its resize
 #: policy (service.models.ResizePolicy.env); users cannot set ``TIDAL_*``.
-RESIZE_ENV = ("TIDAL_RESIZE_POLICY", "TIDAL_GLOBAL_BATCH_SIZE")
+RESIZE_ENV = (worker_env.RESIZE_POLICY, worker_env.GLOBAL_BATCH_SIZE)
 #: Pauses between two looks at an ignored assignment's job record.
 RECHECK_FIRST_S = 0.25
 RECHECK_MAX_S = 5.0
@@ -102,9 +103,9 @@ def _expected_env(spec: _JobSpecView) -> dict[str, str]:
     env = dict(spec.env)
     policy = spec.resize_policy
     if policy is not None:
-        env["TIDAL_RESIZE_POLICY"] = policy.lr_rule
+        env[worker_env.RESIZE_POLICY] = policy.lr_rule
         if policy.global_batch_size is not None:
-            env["TIDAL_GLOBAL_BATCH_SIZE"] = str(policy.global_batch_size)
+            env[worker_env.GLOBAL_BATCH_SIZE] = str(policy.global_batch_size)
     return env
 
 

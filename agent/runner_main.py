@@ -40,6 +40,7 @@ from agent.jobpaths import JobSetupError, check_directory, enter_directory
 from agent.lifeline import die_with_parent
 from agent.workeruser import ENV_WORKER_USER, pin_worker_user
 from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
+from rendezvous import worker_env
 
 if TYPE_CHECKING:
     from agent.spec import RunnerSpec
@@ -71,14 +72,14 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     pin_worker_user(worker_user)
     os.environ.update(
         {
-            "TIDAL_JOB_ID": job.job_id,
-            "TIDAL_NODE_ID": spec.node_id,
-            "TIDAL_PROGRESS_DIR": str(progress_dir),
+            worker_env.JOB_ID: job.job_id,
+            worker_env.NODE_ID: spec.node_id,
+            worker_env.PROGRESS_DIR: str(progress_dir),
             "PYTHONUNBUFFERED": "1",
         }
     )
     if job.checkpoint_dir:
-        os.environ["TIDAL_CHECKPOINT_DIR"] = job.checkpoint_dir
+        os.environ[worker_env.CHECKPOINT_DIR] = job.checkpoint_dir
     # Collectives go over the interface other nodes reach this one at.
     os.environ.update(socket_interface_env(spec.address, job.env))
     # The job's own GPUs, numbered as NVML numbers them (rendezvous.gpus).
@@ -100,12 +101,12 @@ _IMPORT_TIME_PREFIXES = (
     "KMP_",
     "CUDA_",
     "MALLOC_",
-    "TIDAL_ZYGOTE",
+    worker_env.ZYGOTE,  # and every TIDAL_ZYGOTE_* switch
 )
 #: ... except these, which a forked worker applies itself or which torch reads later.
 _APPLIED_AFTER_FORK = frozenset(
     {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
-     "TIDAL_ZYGOTE_SOCKET"}
+     worker_env.ZYGOTE_SOCKET}
 )
 
 
@@ -125,7 +126,7 @@ def take_password() -> str | None:
 
     It comes through the environment, never the spec file (JSON, on disk).
     """
-    return os.environ.pop("TIDAL_ETCD_PASSWORD", None)
+    return os.environ.pop(worker_env.ETCD_PASSWORD, None)
 
 
 def load_spec(path: Path, password: str | None) -> RunnerSpec:

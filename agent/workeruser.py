@@ -33,11 +33,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_WORKER_USER = "TIDAL_WORKER_USER"
+from rendezvous import worker_env
+
+ENV_WORKER_USER = worker_env.WORKER_USER
 #: torch elastic's variable naming a worker's error file (its ``@record``).
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 #: checkpoints.progress's variable naming the job's progress directory.
-ENV_PROGRESS_DIR = "TIDAL_PROGRESS_DIR"
+ENV_PROGRESS_DIR = worker_env.PROGRESS_DIR
 
 
 class WorkerUserError(RuntimeError):

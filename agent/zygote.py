@@ -53,12 +53,13 @@ from pathlib import Path
 from typing import Any
 
 from agent.lifeline import die_with_parent
+from rendezvous import worker_env
 
 log = logging.getLogger("tidal.zygote")
 
-ENV_SOCKET = "TIDAL_ZYGOTE_SOCKET"
-ENV_SWITCH = "TIDAL_ZYGOTE"  # "0" in a job's environment: no zygote
-ENV_PRELOAD = "TIDAL_ZYGOTE_PRELOAD"  # extra modules to import, comma-separated
+ENV_SOCKET = worker_env.ZYGOTE_SOCKET
+ENV_SWITCH = worker_env.ZYGOTE  # "0" in a job's environment: no zygote
+ENV_PRELOAD = worker_env.ZYGOTE_PRELOAD  # extra modules to import, comma-separated
 # Imported before the zygote says it is ready: what every DDP script needs.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
 # Imported afterwards, while no worker is waiting: a new node joins its job

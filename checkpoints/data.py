@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from checkpoints.errors import CheckpointError
+from rendezvous import worker_env
 
 __all__ = [
     "RESIZE_POLICY_ENV",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 #: Environment variable through which a job may declare its learning-rate rule.
-RESIZE_POLICY_ENV = "TIDAL_RESIZE_POLICY"
+RESIZE_POLICY_ENV = worker_env.RESIZE_POLICY
 
 #: The ``format`` of :meth:`ElasticBatchSampler.state_dict`; its version is 1.
 SAMPLER_STATE_FORMAT = "tidal-batch-sampler"

@@ -63,6 +63,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from rendezvous import worker_env
 from rendezvous.client import (
     Compare,
     EtcdClient,
@@ -530,7 +531,7 @@ def _etcd_config(params: RendezvousParameters) -> EtcdConfig:
     endpoints = [e.strip() for e in (params.endpoint or "").split(",") if e.strip()]
     if not endpoints:
         raise ValueError("etcd-v3 rendezvous: --rdzv-endpoint must name an etcd HOST:PORT")
-    password = os.environ.get("TIDAL_ETCD_PASSWORD")
+    password = os.environ.get(worker_env.ETCD_PASSWORD)
     return EtcdConfig(
         endpoints=endpoints,
         timeout_s=float(params.get("etcd_timeout", DEFAULT_ETCD_TIMEOUT_S)),
