@@ -122,6 +122,13 @@ class AgentCluster:
         return "\n".join(out)
 
 
+def warm_runner_ready(run_dir: Path) -> bool:
+    """Whether the agent whose ``--run-dir`` is ``run_dir`` has a warm runner that
+    imported torch and whose zygote is up: a job given to it starts without those."""
+    logs = [p.read_text(errors="replace") for p in (run_dir / "warm").glob("*.log")]
+    return any("zygote ready" in t and "ready for a job" in t for t in logs)
+
+
 def job_record_for(assignment: Assignment, nodes: dict[str, int]) -> bytes:
     """The coordinator's record of ``assignment``'s job, placed on ``nodes``
     (node -> generation): what an agent checks an assignment against

@@ -1,0 +1,354 @@
+"""The acid test through planned resizes taken live: joins, a drain and two PATCHes.
+
+A real coordinator schedules examples/mlp.py --live-resize (float64, the
+checkpoints library, DDP over gloo) on real agents. The job starts on a and b
+(max_nodes 2) while c's agent is up and idle; then, each change once the job
+trains at the size the previous one led to (:func:`planned_changes`):
+
+1. PATCH max_nodes 3: c, already up, joins (world size 3);
+2. b is drained: it leaves (2, on a and c);
+3. d's agent starts: d joins cold (3);
+4. PATCH max_nodes 2: d, the newest, is released (2).
+
+Each change is taken on the live path, and the job's events say so; the
+workers of a node that stays are never restarted, every step is taken exactly
+once (0 completed steps lost, none redone), and the final parameters equal
+those of the same job run uninterrupted under plain torchrun. The same kind of
+change with a script that does not use live resize (mlp.py without
+--live-resize) takes today's restart path, and the events say that too.
+
+tests/bench/bench_recovery.py runs the same changes to measure the pauses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from rendezvous.client import EtcdClient
+from rendezvous.etcd_server import free_port
+from tests.e2e.test_agent_acid import _params
+from tests.support.agents import AgentCluster, statuses, warm_runner_ready
+from tests.support.coordinator import CoordinatorProcess, job_view
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+log = logging.getLogger(__name__)
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+ARGS = [
+    "--global-batch-size", "10", "--dataset-size", "96", "--dtype", "float64",
+    "--every-steps", "20", "--seed", "5",
+]
+STEP_SECONDS = 0.1
+STEADY_STEPS = 5  # steps at a new size before the next change, so that pauses stay apart
+CHANGE_DEADLINE_S = 120.0  # from a change to the first step at its size (a cold agent's start)
+
+
+# Reading the workers' logs --------------------------------------------------------
+
+# mlp.py logs "<asctime> [rank R] rank R world_size W step S loss L" after step S.
+_STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) loss")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rank's log line for one completed step."""
+
+    time: float  # when the line was logged (time.time(), to the millisecond)
+    node: str
+    rank: int
+    world_size: int
+    step: int
+
+
+def _stamp(line: str) -> float | None:
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def worker_logs(root: Path) -> dict[str, list[Path]]:
+    """node -> every worker log file (stderr) of every generation the agents under ``root`` ran."""
+    out: dict[str, list[Path]] = {}
+    for path in sorted(root.glob("*/jobs/*/gen-*/logs/**/stderr.log")):
+        out.setdefault(path.relative_to(root).parts[0], []).append(path)
+    return out
+
+
+def worker_lines(root: Path) -> dict[str, list[str]]:
+    return {
+        node: [line for p in paths for line in p.read_text(errors="replace").splitlines()]
+        for node, paths in worker_logs(root).items()
+    }
+
+
+def steps(root: Path) -> list[Step]:
+    """Every step line the workers logged, in time order."""
+    out = []
+    for node, lines in worker_lines(root).items():
+        for line in lines:
+            match = _STEP.search(line)
+            stamp = _stamp(line)
+            if match is not None and stamp is not None:
+                rank, size, step = (int(g) for g in match.groups())
+                out.append(Step(stamp, node, rank, size, step))
+    return sorted(out, key=lambda s: (s.time, s.step))
+
+
+def first_step_at(root: Path, size: int, *, after: float) -> Step | None:
+    """The first step logged at world size ``size`` after ``after``."""
+    return next((s for s in steps(root) if s.time > after and s.world_size == size), None)
+
+
+def steps_at(root: Path, size: int, *, after: float) -> set[int]:
+    return {s.step for s in steps(root) if s.time > after and s.world_size == size}
+
+
+# The job and its planned changes ----------------------------------------------------
+
+
+def mlp_spec(tmp_path: Path, *, live: bool, total_steps: int, record: Path | None = None,
+             step_seconds: float = STEP_SECONDS) -> dict[str, Any]:
+    """examples/mlp.py as a job of 1 to 2 nodes, pausing ``step_seconds`` after each step."""
+    command = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *ARGS,
+               "--total-steps", str(total_steps), "--step-seconds", str(step_seconds)]
+    if live:
+        command.append("--live-resize")
+    if record is not None:
+        command += ["--record", str(record)]
+    return {
+        "name": "live" if live else "restart", "command": command,
+        "env": {"OMP_NUM_THREADS": "1"},
+        "min_nodes": 1, "max_nodes": 2, "grace_period_s": 20,
+    }
+
+
+def running_at(api: httpx.Client, job_id: str, nodes: set[str]) -> bool:
+    """Whether every node of ``nodes``, and no other, runs the job at world size len(nodes)."""
+    view = job_view(api, job_id)
+    return (view["phase"] == "RUNNING" and view["world_size"] == len(nodes)
+            and {n["node_id"] for n in view["nodes"]} == nodes
+            and all(n["state"] == "running" for n in view["nodes"]))
+
+
+def start_job(api: httpx.Client, agents: AgentCluster, root: Path, spec: dict[str, Any],
+              *, metrics_port: int | None = None) -> str:
+    """Start agents a (serving its metrics on ``metrics_port``), b and c, submit
+    ``spec`` (max_nodes 2) once a and b are registered, and return the job's id
+    once it trains on a and b and c's warm runner is ready for a job."""
+    agents.start_agent("a", metrics_port=metrics_port)
+    agents.start_agent("b")
+    wait_for(lambda: {n["node_id"] for n in api.get("/v1/nodes").json()} == {"a", "b"},
+             timeout=60, what="nodes a and b registered")
+    response = api.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    job_id: str = response.json()["job_id"]
+    agents.start_agent("c")
+    wait_for(lambda: running_at(api, job_id, {"a", "b"}), timeout=120,
+             what="the job RUNNING on a and b")
+    wait_for(lambda: len(steps_at(root, 2, after=0)) >= STEADY_STEPS, timeout=120,
+             what=f"{STEADY_STEPS} steps at world size 2")
+    wait_for(lambda: warm_runner_ready(root / "c"), timeout=120, what="c's warm runner ready")
+    return job_id
+
+
+@dataclass(frozen=True)
+class Change:
+    """One planned change, made at ``at`` (time.time()); the job logged its first
+    step at the ``size`` it leads to at ``reached``. ``paths``: the path each node
+    in the job before and after it says it took (its status record's last_resize:
+    "live", or "restart (<why>)")."""
+
+    name: str
+    size: int
+    at: float
+    reached: float
+    paths: dict[str, str]
+
+
+def resizes(client: EtcdClient, job_id: str) -> dict[str, tuple[int, str | None]]:
+    """node -> (membership changes its runner handled, the path of the last), from
+    the nodes' status records (what the coordinator reads)."""
+    return {node: (sum(st.resize_paths.values()), st.last_resize)
+            for node, st in statuses(client, job_id).items()}
+
+
+def paths_after(client: EtcdClient, job_id: str, nodes: set[str],
+                before: dict[str, tuple[int, str | None]], what: str) -> dict[str, str]:
+    """The paths ``nodes`` took for one more change than ``before`` counted."""
+
+    def counted() -> dict[str, str] | None:
+        now = resizes(client, job_id)
+        if all(n in now and now[n][0] > before.get(n, (0, None))[0] for n in nodes):
+            return {n: str(now[n][1]) for n in nodes}
+        return None
+
+    found = wait_for(counted, timeout=CHANGE_DEADLINE_S, what=f"{sorted(nodes)} counting {what}")
+    assert found is not None
+    return found
+
+
+def planned_changes(api: httpx.Client, agents: AgentCluster, client: EtcdClient, root: Path,
+                    job_id: str, done: list[Change]) -> None:
+    """Make the four changes of the module's docstring, on a job :func:`start_job`
+    started, appending each to ``done`` once the job trains at its size.
+
+    Raises:
+        TimeoutError: a change did not lead to its size in time (``done`` has those before).
+    """
+    members = {"a", "b"}
+
+    def change(name: str, nodes: set[str], make: Any) -> None:
+        nonlocal members
+        before = resizes(client, job_id)
+        at = time.time()
+        make()
+        size = len(nodes)
+        first = wait_for(lambda: first_step_at(root, size, after=at), timeout=CHANGE_DEADLINE_S,
+                         what=f"a step at world size {size} after '{name}'")
+        assert first is not None
+        paths = paths_after(client, job_id, members & nodes, before, f"'{name}'")
+        done.append(Change(name, size, at, first.time, paths))
+        log.info("%s: first step at world size %d %.2f s after it; paths %s",
+                 name, size, first.time - at, paths)
+        wait_for(lambda: running_at(api, job_id, nodes), timeout=CHANGE_DEADLINE_S,
+                 what=f"the job RUNNING on {sorted(nodes)} after '{name}'")
+        members = nodes
+        wait_for(lambda: len(steps_at(root, size, after=at)) >= STEADY_STEPS,
+                 timeout=CHANGE_DEADLINE_S, what=f"{STEADY_STEPS} steps after '{name}'")
+
+    def patch(max_nodes: int) -> None:
+        response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": max_nodes})
+        assert response.status_code == 200, response.text
+
+    def drain(node: str) -> None:
+        response = api.post(f"/v1/nodes/{node}/drain")
+        assert response.status_code == 200, response.text
+
+    change("join, node up", {"a", "b", "c"}, lambda: patch(3))
+    change("drain", {"a", "c"}, lambda: drain("b"))
+    change("join, cold", {"a", "c", "d"}, lambda: agents.start_agent("d"))
+    change("PATCH scale-down", {"a", "c"}, lambda: patch(2))
+
+
+def path_taken(change: Change) -> str:
+    """The paths the nodes that stayed say ``change`` took, e.g. "live" or
+    "restart (not_capable)" (several, comma-separated, where they differ)."""
+    return ", ".join(sorted(set(change.paths.values())))
+
+
+def agent_metrics(port: int, job_id: str) -> dict[tuple[str, ...], float]:
+    """An agent's samples of ``job_id``: (name, label values but the job's) -> value."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (sample.name, *(v for k, v in sorted(sample.labels.items()) if k != "job_id")): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+        if sample.labels.get("job_id") == job_id
+    }
+
+
+# The tests ----------------------------------------------------------------------------
+
+
+# Enough steps for the four changes (a cold agent's start takes 10 to 30 s on a
+# loaded 2-core machine) with steps left after the last.
+TOTAL_STEPS, TEST_STEP_SECONDS = 800, 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_joins_a_drain_and_two_patches_taken_live_end_with_the_uninterrupted_parameters(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    coordinator, agents = cluster
+    api = coordinator.client()
+    reference_record = tmp_path / "reference.json"
+    reference = procs.spawn(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"), *ARGS,
+         "--total-steps", str(TOTAL_STEPS), "--record", str(reference_record)],
+        log_path=tmp_path / "reference.log",
+    )
+    record, port = tmp_path / "live.json", free_port()
+    job_id = start_job(api, agents, tmp_path,
+                       mlp_spec(tmp_path, live=True, total_steps=TOTAL_STEPS, record=record,
+                                step_seconds=TEST_STEP_SECONDS),
+                       metrics_port=port)
+    changes: list[Change] = []
+    planned_changes(api, agents, etcd_client, tmp_path, job_id, changes)
+    # Each change on the live path, as the status records of the nodes that
+    # stayed say, and node a's metrics (one per change, none on the restart path).
+    assert {c.name: path_taken(c) for c in changes} == dict.fromkeys(
+        ["join, node up", "drain", "join, cold", "PATCH scale-down"], "live"), changes
+    def by_mode() -> dict[str, float]:
+        samples = agent_metrics(port, job_id)
+        return {mode: sum(v for k, v in samples.items()
+                          if k[:2] == ("tidal_agent_job_resizes_total", mode))
+                for mode in ("live", "restart")}
+
+    wait_for(lambda: by_mode() == {"live": 4, "restart": 0}, timeout=30,
+             what="a's metrics counting 4 live resizes and no restart")
+    wait_for(lambda: job_view(api, job_id)["phase"] == "SUCCEEDED", timeout=300,
+             what="the job SUCCEEDED")
+    assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+
+    # 0 completed steps lost, none redone: rank 0 logged every step exactly once.
+    taken = Counter(s.step for s in steps(tmp_path) if s.rank == 0)
+    assert sorted(taken) == list(range(TOTAL_STEPS)), sorted(set(range(TOTAL_STEPS)) - set(taken))
+    assert max(taken.values()) == 1, [k for k, v in taken.items() if v > 1]
+    # The workers of a node that stayed were never restarted: each node's worker
+    # started once (a and b at the start, c and d when they joined).
+    lines = worker_lines(tmp_path)
+    starts = {node: sum("start at step" in line for line in lines[node]) for node in lines}
+    assert starts == {"a": 1, "b": 1, "c": 1, "d": 1}, starts
+
+    got, want = (_params(json.loads(p.read_text())) for p in (record, reference_record))
+    log.info("max abs parameter difference vs the uninterrupted run: %.3g",
+             max(float((got[k] - want[k]).abs().max()) for k in want))
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_script_without_live_resize_takes_the_restart_path_and_says_so(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
+) -> None:
+    coordinator, agents = cluster
+    api = coordinator.client()
+    port = free_port()
+    job_id = start_job(api, agents, tmp_path, mlp_spec(tmp_path, live=False, total_steps=100_000),
+                       metrics_port=port)
+    before = resizes(etcd_client, job_id)
+    at = time.time()
+    assert api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 3}).status_code == 200
+    wait_for(lambda: first_step_at(tmp_path, 3, after=at), timeout=CHANGE_DEADLINE_S,
+             what="a step at world size 3")
+    paths = paths_after(etcd_client, job_id, {"a", "b"}, before, "c's join")
+    # The workers never announced the live path: a and b restarted them, from
+    # the checkpoint they saved at their stop (the step after the last completed).
+    assert paths == {"a": "restart (not_capable)", "b": "restart (not_capable)"}, paths
+    wait_for(lambda: {("tidal_agent_job_resizes_total", "restart", "join"),
+                      ("tidal_agent_job_live_fallbacks_total", "not_capable")}
+             <= {k for k, v in agent_metrics(port, job_id).items() if v == 1},
+             timeout=30, what="a's metrics counting a restart for a join, as not capable")
+    lines = worker_lines(tmp_path)
+    assert all(sum("start at step" in line for line in lines[n]) == 2 for n in ("a", "b")), lines
+    last_at_2 = max(s.step for s in steps(tmp_path) if s.world_size == 2)
+    resumed = {int(m.group(1)) for line in lines["c"]
+               if (m := re.search(r"start at step (\d+) .*world_size 3$", line))}
+    assert resumed == {last_at_2 + 1}, (resumed, last_at_2)
