@@ -4,7 +4,8 @@
   appear, shrinks when one dies, falls back to PENDING below its minimum and
   comes back when a node returns; cancel stops every worker;
 * a scale-down by PATCH drains gracefully: the job resumes at the smaller size
-  from the step it had completed, with no completed step lost;
+  from the step it had completed, with no completed step lost; a PATCH back up
+  lets the released node join again, the runners that stayed going on;
 * new bounds that change no membership (min 2 -> 1, max 2 -> 4 with only two
   agents) restart nothing: the same runner and worker processes train on; the
   runners follow the new maximum, so a third agent joins without restarting them;
@@ -125,7 +126,7 @@ def _rank_logs(root: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step(
-    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster]
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
 ):
     coordinator, agents = cluster
     api = coordinator.client()
@@ -157,6 +158,14 @@ def test_a_scale_down_by_patch_drains_gracefully_without_losing_a_completed_step
     assert "scaled_by_user" in _reasons(api, job_id)
     view = job_view(api, job_id)
     assert len(view["nodes"]) == 2 and view["spec"]["max_nodes"] == 2
+
+    # And up again: the released node joins; the two runners that stayed go on.
+    stayed = {n: st.pid for n, st in statuses(etcd_client, job_id).items()
+              if n in {node["node_id"] for node in view["nodes"]}}
+    response = api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 3})
+    assert response.status_code == 200, response.text
+    wait_for(lambda: _running_at(api, job_id, 3), timeout=120, what="RUNNING at world size 3")
+    assert {n: st.pid for n, st in statuses(etcd_client, job_id).items() if n in stayed} == stayed
 
 
 _PAIR = ("a", "b")
