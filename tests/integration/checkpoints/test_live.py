@@ -1,15 +1,16 @@
 """The live resize with real workers: a join and a leave without restarting anyone.
 
-Three processes run examples/mlp.py --live-resize (float64, DDP over gloo),
-each as the only worker of its own "node" (its own progress directory). The
-test plays the runners (checkpoints.live's notices, exactly as the runner
-writes them): a and b train at world size 2; c starts in the next round and
-receives the state from them in ``restore()`` while a and b re-form the group
-at 3; then b's node leaves (``live-leave.json``), b exits 77 and a and c go on
-at 2 to the end. No process restarts, every step is taken exactly once, and
-the final parameters equal those of an uninterrupted single-process run with
-the same global batch (10, split 4/3/3 at world size 3, accumulated over
-micro-batches of at most 4).
+Five processes run examples/mlp.py --live-resize (float64, DDP over gloo) on
+three "nodes" (a progress directory each, as a runner gives its workers);
+the test plays the runners, writing checkpoints.live's notices exactly as
+they do. Nodes a (two workers) and b train at world size 3; c's worker starts
+in the next round as its rank 0 (so it hosts the new group's store, and the
+state comes from rank 1) and receives the state in ``restore()`` while the
+others re-form the group at 4 under new ranks; then b's node leaves
+(``live-leave.json``): b exits 77 and a and c go on at 3 to the end. No
+process restarts, every step is taken exactly once, and the final parameters
+equal those of an uninterrupted single-process run with the same global
+batch (10: split 4/3/3 at 3 ranks, 3/3/2/2 at 4, micro-batches of at most 4).
 """
 
 from __future__ import annotations
@@ -59,21 +60,23 @@ ATOL = 1e-10
 _STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) loss")
 
 
-class Node:
-    """One worker process as the only worker of its node."""
+class Worker:
+    """One worker process, local rank ``local_rank`` of its node (the progress directory)."""
 
-    def __init__(self, procs: ProcessGroupRegistry, tmp_path: Path, name: str) -> None:
-        self.name = name
-        self.dir = tmp_path / name
-        self.dir.mkdir()
-        self.log = tmp_path / f"{name}.log"
+    def __init__(self, procs: ProcessGroupRegistry, tmp_path: Path, node: str,
+                 local_rank: int = 0) -> None:
+        self.name = f"{node}{local_rank}"
+        self.dir = tmp_path / node
+        self.dir.mkdir(exist_ok=True)
+        self.local_rank = local_rank
+        self.log = tmp_path / f"{self.name}.log"
         self._procs, self._tmp = procs, tmp_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, *, rank: int, world_size: int, port: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "TORCHELASTIC"))}
         env.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(self.local_rank),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIDAL_PROGRESS_DIR=str(self.dir),
             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
         )
@@ -90,7 +93,7 @@ class Node:
         return [(int(r), int(w), int(s)) for r, w, s in _STEP.findall(text)]
 
     def resized_to(self, round_: int) -> bool:
-        live = read_worker_live(self.dir, 0)
+        live = read_worker_live(self.dir, self.local_rank)
         if self.proc is not None and self.proc.poll() is not None:
             raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
         return live is not None and live.state is LiveState.RESIZED and live.round == round_
@@ -105,11 +108,12 @@ class Node:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
 
-def notice(round_: int, *, port: int, world_size: int, rank: int) -> ResizeNotice:
-    return ResizeNotice(
+def tell(node: Path, round_: int, *, port: int, world_size: int, ranks: dict[int, int]) -> None:
+    """What a staying node's runner does once round ``round_`` formed."""
+    write_resize_notice(node, ResizeNotice(
         round=round_, master_addr="127.0.0.1", master_port=port, world_size=world_size,
-        ranks={0: rank}, written_at=time.time(),
-    )
+        ranks=ranks, written_at=time.time(),
+    ))
 
 
 def start_reference(procs: ProcessGroupRegistry, tmp_path: Path) -> subprocess.Popen[bytes]:
@@ -129,42 +133,45 @@ def reference(proc: subprocess.Popen[bytes], tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads((tmp_path / "reference.json").read_text()))
 
 
-def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted_run(
+def test_a_worker_joins_and_a_node_leaves_live_and_the_job_ends_as_an_uninterrupted_run(
     tmp_path: Path, procs: ProcessGroupRegistry
 ) -> None:
     uninterrupted = start_reference(procs, tmp_path)
-    a, b, c = (Node(procs, tmp_path, name) for name in "abc")
+    a0, a1, b0, c0 = (Worker(procs, tmp_path, node, lr)
+                      for node, lr in (("a", 0), ("a", 1), ("b", 0), ("c", 0)))
     port = free_port()
-    a.start(rank=0, world_size=2, port=port)
-    b.start(rank=1, world_size=2, port=port)
-    wait_for(lambda: len(a.steps()) >= 3 and len(b.steps()) >= 3, timeout=60,
-             what="a and b to train at world size 2")
+    for rank, worker in enumerate((a0, a1, b0)):
+        worker.start(rank=rank, world_size=3, port=port)
+    wait_for(lambda: all(len(w.steps()) >= 3 for w in (a0, a1, b0)), timeout=60,
+             what="a and b to train at world size 3")
 
-    # Round 1: c joins. Its runner starts it in the new round; the others' runners tell them.
+    # Round 1: c joins as rank 0. Its runner starts its worker in the new round;
+    # the others' runners tell theirs.
     port = free_port()
-    c.start(rank=2, world_size=3, port=port)
-    write_resize_notice(a.dir, notice(1, port=port, world_size=3, rank=0))
-    write_resize_notice(b.dir, notice(1, port=port, world_size=3, rank=1))
-    wait_for(lambda: a.resized_to(1) and b.resized_to(1) and c.steps(), timeout=90,
+    c0.start(rank=0, world_size=4, port=port)
+    tell(a0.dir, 1, port=port, world_size=4, ranks={0: 1, 1: 2})
+    tell(b0.dir, 1, port=port, world_size=4, ranks={0: 3})
+    wait_for(lambda: all(w.resized_to(1) for w in (a0, a1, b0)) and c0.steps(), timeout=90,
              what="a and b to resize into round 1 and c to train")
 
-    # Round 2: b's node leaves; a and c go on as ranks 0 and 1.
-    write_leave_notice(b.dir)
+    # Round 2: b's node leaves; a and c go on as ranks 0, 1 and 2.
+    write_leave_notice(b0.dir)
     port = free_port()
-    write_resize_notice(a.dir, notice(2, port=port, world_size=2, rank=0))
-    write_resize_notice(c.dir, notice(2, port=port, world_size=2, rank=1))
-    assert b.exit_code(60) == EXIT_LEFT, b.tail()
-    assert read_worker_live(b.dir, 0) is not None
-    assert a.exit_code(90) == 0, a.tail()
-    assert c.exit_code(30) == 0, c.tail()
+    tell(a0.dir, 2, port=port, world_size=3, ranks={0: 0, 1: 1})
+    tell(c0.dir, 2, port=port, world_size=3, ranks={0: 2})
+    assert b0.exit_code(60) == EXIT_LEFT, b0.tail()
+    left_file = read_worker_live(b0.dir, 0)
+    assert left_file is not None and left_file.state is LiveState.LEFT
+    for worker in (a0, a1, c0):
+        assert worker.exit_code(90) == 0, worker.tail()
 
     # Every step was taken once by each rank of its world size, in order, by the
     # processes started at the beginning: none was lost, none was done twice.
     ran: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-    for node in (a, b, c):
-        steps = [step for _, _, step in node.steps()]
-        assert steps == list(range(steps[0], steps[0] + len(steps))), node.name
-        for rank, world_size, step in node.steps():
+    for worker in (a0, a1, b0, c0):
+        steps = [step for _, _, step in worker.steps()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), worker.name
+        for rank, world_size, step in worker.steps():
             ran[step].append((world_size, rank))
     assert sorted(ran) == list(range(TOTAL_STEPS))
     sizes: list[int] = []
@@ -173,13 +180,15 @@ def test_a_worker_joins_and_one_leaves_live_and_the_job_ends_as_an_uninterrupted
         assert sorted(ran[step]) == [(world_size, r) for r in range(world_size)], (step, ran[step])
         if not sizes or sizes[-1] != world_size:
             sizes.append(world_size)
-    assert sizes == [2, 3, 2]
-    assert a.steps()[0][2] == 0 and b.steps()[0][2] == 0
-    joined = c.steps()[0][2]
-    assert f"start at step {joined} (fresh=False, saved at world size 2)" in c.log.read_text()
-    assert "restored step" not in c.log.read_text()  # the state came live, not from disk
-    left = b.steps()[-1][2] + 1
-    assert joined < left < TOTAL_STEPS
+    assert sizes == [3, 4, 3]
+    assert [w.steps()[0][2] for w in (a0, a1, b0)] == [0, 0, 0]
+    joined, left = c0.steps()[0][2], b0.steps()[-1][2] + 1
+    assert 0 < joined < left < TOTAL_STEPS
+    assert [(w.steps()[0][0], w.steps()[-1][0]) for w in (a0, a1, c0)] == [(0, 0), (1, 1), (0, 2)]
+    joiner_log = c0.log.read_text()
+    assert f"start at step {joined} (fresh=False, saved at world size 3)" in joiner_log
+    assert "state received from rank 1" in joiner_log
+    assert "restored step" not in joiner_log  # the state came live, not from disk
 
     # The final parameters are the uninterrupted run's; so are the samples of the
     # steps the final ranks took together (the leaver's shares left with it).
