@@ -22,7 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from agent.status import MEMBERSHIP_CHANGED, NOT_CAPABLE, TIMEOUT, WORKER_EXITED
+from agent.status import (
+    MEMBERSHIP_CHANGED,
+    NO_PEER_STAYS,
+    NOT_CAPABLE,
+    TIMEOUT,
+    WORKER_EXITED,
+)
 from checkpoints.live import LiveState, WorkerLive, read_worker_live
 
 # Outcomes that are not a fallback.
@@ -96,7 +102,7 @@ def resize_outcome(
 
 def leave_outcome(
     workers: Mapping[int, WorkerLive], pids: Mapping[int, int], alive: Callable[[int], bool],
-    *, now: float, deadline: float,
+    *, peers_stay: bool, now: float, deadline: float,
 ) -> str:
     """Where a planned leave stands: the runner waits for its workers to exit.
 
@@ -104,13 +110,17 @@ def leave_outcome(
         workers: the workers' answers, by local rank.
         pids: the worker processes the runner started, by local rank.
         alive: whether a process id still runs.
+        peers_stay: another member of the round stays (one that neither left
+            nor announced a leave): someone the workers can resize with.
         now / deadline: the runner's clock and when it gives up.
 
     Returns:
         :data:`DONE` once every worker exited having said ``left``,
         :data:`WAITING` while they train on, ``worker_exited`` when one
         exited without leaving (it failed: the others will not resize the
-        live way), ``timeout`` past ``deadline``.
+        live way), ``no_peer_stays`` when no worker left yet and every other
+        member leaves too (a cancel: nobody will resize), ``timeout`` past
+        ``deadline``.
     """
     gone = {lr for lr, pid in pids.items() if not alive(pid)}
     left = {lr for lr, w in workers.items() if w.state == LiveState.LEFT}
@@ -118,6 +128,8 @@ def leave_outcome(
         return WORKER_EXITED
     if pids and gone == set(pids):
         return DONE
+    if not peers_stay and not left:
+        return NO_PEER_STAYS
     if now >= deadline:
         return TIMEOUT
     return WAITING

@@ -257,7 +257,7 @@ class _Families:
         self.fallbacks = CounterMetricFamily(
             "tidal_agent_job_live_fallbacks",
             "Planned membership changes that took the restart path, by cause (not_capable, "
-            "timeout, worker_exited, membership_changed, not_announced).",
+            "timeout, worker_exited, membership_changed, not_announced, no_peer_stays).",
             labels=["job_id", "cause"])
         self.live_seconds = HistogramMetricFamily(
             "tidal_agent_job_live_resize_seconds",

@@ -504,8 +504,11 @@ class TidalElasticAgent(LocalElasticAgent):
         assert self._progress_dir is not None and self._pcontext is not None
         pids = self._pcontext.pids()
         while True:
-            outcome = live.leave_outcome(live.read_workers(self._progress_dir, pids), pids,
-                                         _alive, now=time.monotonic(), deadline=deadline)
+            outcome = live.leave_outcome(
+                live.read_workers(self._progress_dir, pids), pids, _alive,
+                peers_stay=bool(self._handler.staying_peers()), now=time.monotonic(),
+                deadline=deadline,
+            )
             if outcome != live.WAITING:
                 return outcome
             time.sleep(LIVE_POLL_S)

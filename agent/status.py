@@ -71,7 +71,9 @@ TIMEOUT = "timeout"  # the workers did not answer within live_timeout
 WORKER_EXITED = "worker_exited"  # a worker exited during it
 MEMBERSHIP_CHANGED = "membership_changed"  # another change came meanwhile
 NOT_ANNOUNCED = "not_announced"  # the leave could not be announced in the rendezvous
-FALLBACK_CAUSES = (NOT_CAPABLE, TIMEOUT, WORKER_EXITED, MEMBERSHIP_CHANGED, NOT_ANNOUNCED)
+NO_PEER_STAYS = "no_peer_stays"  # every other member leaves too (a cancel): none to resize
+FALLBACK_CAUSES = (NOT_CAPABLE, TIMEOUT, WORKER_EXITED, MEMBERSHIP_CHANGED, NOT_ANNOUNCED,
+                   NO_PEER_STAYS)
 # Names come from torch's code, so they are few; the cap guards the label set
 # against a torch release that builds names from data.
 MAX_ELASTIC_NAMES = 64

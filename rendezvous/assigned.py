@@ -419,6 +419,20 @@ class AssignedRendezvousHandler(RendezvousHandler):
             self._min, self._max = min_nodes, max_nodes
             self._cond.notify_all()
 
+    def staying_peers(self) -> frozenset[str]:
+        """The other members of this node's round that neither left, nor were lost,
+        nor announced a leave: those a planned leave of this node can resize with."""
+        with self._cond:
+            mine = self._mine
+            if mine is None:
+                return frozenset()
+            return frozenset(
+                m.node for m in mine.members
+                if m.node != self._node and m.node not in self._lost
+                and (j := self._joins.get(m.node)) is not None and not j.leaving
+                and j.member.incarnation == m.incarnation
+            )
+
     def current_round(self) -> int:
         """The number of this node's current (or last) round; 0 before its first."""
         with self._cond:

@@ -322,3 +322,16 @@ def test_a_larger_max_nodes_gives_a_waiting_newcomer_room_without_a_new_handler(
         assert (change.kind, change.nodes) == ("waiting", frozenset({"c"}))
         infos = together(a, b)
         assert [i.world_size for i in (*infos, late.result(timeout=30))] == [3, 3, 3]
+
+
+def test_a_leaver_knows_when_no_other_member_stays_to_resize_with(make: Make) -> None:
+    # A cancel: every runner gets SIGTERM and announces its leave; none waits
+    # for a resize that nobody will make.
+    a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
+    together(a, b)
+    assert (a.staying_peers(), b.staying_peers()) == ({"b"}, {"a"})
+    assert a.announce_leaving()
+    wait_for(lambda: not b.staying_peers(), timeout=10, what="b to see a leaving")
+    assert a.staying_peers() == {"b"}
+    assert b.announce_leaving()
+    wait_for(lambda: not a.staying_peers(), timeout=10, what="a to see b leaving")

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from agent import live
 from agent.runner import resize_reason
-from agent.status import FALLBACK_CAUSES, MEMBERSHIP_CHANGED, NOT_CAPABLE, TIMEOUT, WORKER_EXITED
+from agent.status import (
+    FALLBACK_CAUSES,
+    MEMBERSHIP_CHANGED,
+    NO_PEER_STAYS,
+    NOT_CAPABLE,
+    TIMEOUT,
+    WORKER_EXITED,
+)
 from checkpoints.live import LiveState, WorkerLive, write_worker_live
 
 ALIVE = {101, 102}
@@ -72,9 +79,10 @@ def test_a_live_resize_falls_back_on_an_exit_another_change_or_its_deadline() ->
 def test_a_planned_leave_is_done_once_every_worker_left_and_exited() -> None:
     pids = {0: 101, 1: 102}
 
-    def leave(workers: dict[int, WorkerLive], gone: set[int], now: float = 0.0) -> str:
-        return live.leave_outcome(workers, pids, lambda pid: pid not in gone, now=now,
-                                  deadline=5.0)
+    def leave(workers: dict[int, WorkerLive], gone: set[int], now: float = 0.0,
+              peers_stay: bool = True) -> str:
+        return live.leave_outcome(workers, pids, lambda pid: pid not in gone,
+                                  peers_stay=peers_stay, now=now, deadline=5.0)
 
     left = {0: worker(101, LiveState.LEFT), 1: worker(102, LiveState.LEFT)}
     assert leave(left, {101, 102}) == live.DONE
@@ -82,6 +90,11 @@ def test_a_planned_leave_is_done_once_every_worker_left_and_exited() -> None:
     assert leave({0: worker(101), 1: worker(102)}, set()) == live.WAITING
     assert leave({0: worker(101), 1: worker(102, LiveState.LEFT)}, {101}) == WORKER_EXITED
     assert leave({0: worker(101), 1: worker(102)}, set(), now=5.0) == TIMEOUT
+    # Every other member leaves too (a cancel): nobody will resize, do not wait.
+    assert leave({0: worker(101), 1: worker(102)}, set(), peers_stay=False) == NO_PEER_STAYS
+    # ... unless the workers are on their way out already: the others resized.
+    assert leave({0: worker(101, LiveState.LEFT), 1: worker(102)}, {101},
+                 peers_stay=False) == live.WAITING
 
 
 @given(st.dictionaries(st.integers(0, 3), st.sampled_from(
