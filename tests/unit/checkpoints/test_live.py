@@ -39,6 +39,7 @@ from checkpoints.live import (
     write_resize_notice,
     write_worker_live,
 )
+from checkpoints.progress import FileProgressReporter, NullProgressReporter
 
 
 def notice(round_: int = 3, **changes: object) -> ResizeNotice:
@@ -316,3 +317,15 @@ def test_a_single_rank_keeps_its_own_state() -> None:
 
     got = sync_state(live_step=4, group=None, model=torch.nn.Linear(2, 2), capture=capture)
     assert (got.step, got.state) == (4, None)
+
+
+def test_a_progress_reporter_follows_its_new_rank_and_keeps_counting(tmp_path: Path) -> None:
+    reporter = FileProgressReporter(tmp_path, rank=3, world_size=4, interval=0.0)
+    reporter.record(step=5, samples=10)
+    assert (tmp_path / "rank-3.json").exists()
+    reporter.rebind(rank=1, world_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-1.json"]
+    body = json.loads((tmp_path / "rank-1.json").read_text())
+    assert (body["rank"], body["world_size"], body["pid"]) == (1, 2, os.getpid())
+    assert (body["step"], body["first_step"]) == (5, 5)  # the same process, training on
+    NullProgressReporter().rebind(rank=0, world_size=1)  # nothing to follow
