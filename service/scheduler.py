@@ -19,7 +19,9 @@ The rules, level-triggered (the same view always gives the same plan):
   rewritten *in place* with the new bounds, at the generation they hold
   (:func:`with_bounds`): an agent restarts a runner only for a new
   generation, and a runner follows its assignment's bounds while it runs
-  (agent.bounds), so a PATCH that changes no membership restarts nothing;
+  (agent.bounds), so a PATCH that changes no membership restarts nothing
+  (but a minimum the job's nodes no longer reach, even with free ones, gives
+  them a new generation: their runners stop and wait for it, as after a loss);
 * free capacity goes first to jobs that are below their minimum, as a gang
   (a job gets nodes only if its minimum fits), then to growing jobs toward
   their maximum; both in order of priority, then submission time (FIFO);
@@ -335,6 +337,7 @@ class _Planner:
         # job -> nodes whose assignment this pass rewrites in place (new bounds only):
         # not a change of membership (see _settle_phase)
         self.rebounded: dict[str, set[str]] = {}
+        self.released: set[str] = set()  # jobs whose new maximum released nodes, this pass
         self.changes: dict[str, JobChange] = {}
         self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
         self.free: dict[str, int] = {}
@@ -442,6 +445,7 @@ class _Planner:
             self.by_queue.setdefault(record.spec.queue, []).append(record.job_id)
         self._place(active)
         for record in active:
+            self._note_rebound(record)
             self._announce(record)
             self._settle_phase(record)
         # A job's change is created by whichever step touches it first, so the
@@ -594,15 +598,39 @@ class _Planner:
             self.change(job_id).put[node_id] = kept[node_id]
             self.rebounded.setdefault(job_id, set()).add(node_id)
         if released:  # the others go on without them: a change of membership
+            self.released.add(job_id)
             self.count_restart(job_id, EventReason.SCALED_BY_USER)
-        if released or stale:
             self.event(
                 job_id, EventReason.SCALED_BY_USER,
-                f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes"
-                + (f"; released {names(released)}" if released
-                   else f"; {len(kept)} node(s) go on, nothing restarts"),
+                f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes; released {names(released)}",
                 released,
             )
+        # else: _note_rebound, once this pass placed what it could
+
+    def _note_rebound(self, record: JobRecord) -> None:
+        """The event of new bounds written in place (no node released), once placed.
+
+        Bounds whose minimum the job's nodes no longer reach, even with the
+        nodes this pass gave it, give the nodes rewritten in place a new
+        generation instead: their runners stop training and wait in the
+        rendezvous for the minimum, as after a loss.
+        """
+        job_id = record.job_id
+        rebounded = self.rebounded.get(job_id)
+        change = self.changes.get(job_id)
+        if not rebounded or change is None or job_id in self.released:
+            return  # none, or _rebound's event (nodes released) says it
+        spec = record.spec
+        kept = self.members[job_id]
+        note = f"; {len(kept)} node(s) go on, nothing restarts"
+        if len(kept) < spec.min_nodes:
+            for node_id in sorted(rebounded):
+                kept[node_id] = change.put[node_id] = self.new_assignment(job_id)
+            self.rebounded[job_id] = set()
+            self.count_restart(job_id, EventReason.SCALED_BY_USER)
+            note = f"; {len(kept)} node(s) restart to wait for {spec.min_nodes}"
+        self.event(job_id, EventReason.SCALED_BY_USER,
+                   f"bounds now {spec.min_nodes}..{spec.max_nodes} nodes{note}")
 
     # queues --------------------------------------------------------------------------
 

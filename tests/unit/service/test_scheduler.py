@@ -385,15 +385,36 @@ def test_new_bounds_that_change_no_membership_rewrite_the_assignments_in_place()
     assert {sim.assignment("j", n).generation for n in old} == {a.generation for a in old.values()}
 
 
-def test_raising_min_above_the_live_count_keeps_the_generations_while_pending() -> None:
+def test_a_minimum_raised_above_the_nodes_restarts_them_to_wait_for_it() -> None:
     sim = cluster(1, 1)
     sim.submit(make_job("j", min_nodes=1, max_nodes=4))
     running(sim, "j")
     old = {n: sim.assignment("j", n).generation for n in sim.placed("j")}
     sim.patch("j", min_nodes=3)
-    sim.step()
+    [change] = sim.step()
+    # Written in place, the runners would train on below the minimum: they
+    # restart instead, and wait in the rendezvous for a third node.
+    assert all(change.put[n].generation > old[n] for n in old)
     assert sim.phase("j") == JobPhase.PENDING
-    assert {n: sim.assignment("j", n).generation for n in sim.placed("j")} == old
+    assert sim.job("j").restarts["scaled_by_user"] == 1
+    [scaled] = [e for e in change.events if e.reason == EventReason.SCALED_BY_USER]
+    assert scaled.message == "bounds now 3..4 nodes; 2 node(s) restart to wait for 3"
+
+
+def test_a_minimum_raised_to_what_free_nodes_make_up_restarts_nothing() -> None:
+    sim = cluster(1, 1, 1)
+    sim.submit(make_job("j", min_nodes=1, max_nodes=2))
+    running(sim, "j")
+    old = {n: sim.assignment("j", n) for n in sim.placed("j")}
+    sim.patch("j", min_nodes=3, max_nodes=3)
+    [change] = sim.step()
+    assert {n: change.put[n] for n in old} == {
+        n: a.model_copy(update={"min_nodes": 3, "max_nodes": 3}) for n, a in old.items()}
+    assert sim.placed("j") == {"n1", "n2", "n3"}  # the third joins the two that go on
+    assert "scaled_by_user" not in sim.job("j").restarts
+    assert [e.reason for e in change.events][:2] == [EventReason.SCALED_BY_USER,
+                                                     EventReason.NODE_JOINED]
+    running(sim, "j")
 
 
 def test_raising_min_above_the_live_count_makes_the_job_pending() -> None:
