@@ -1,4 +1,5 @@
-"""Benchmark: recovery from a lost node and scale-up on a new one, tidal against torchrun.
+"""Benchmark: recovery from a lost node and scale-up on a new one, tidal against torchrun;
+planned resizes (join, drain, PATCH) on the live path against the restart path.
 
 Run with ``make bench`` or
 ``.venv/bin/python -m pytest tests/bench/bench_recovery.py -m bench -s``
@@ -47,11 +48,25 @@ the time went: every process gets ``LOGLEVEL=INFO``, so torch's elastic agent
 survivors' logs give *notice* (until an agent acts on the change), *rendezvous*
 (until the last one has the new round) and *start-up* (until the first step).
 No assertion is made on time.
+
+A second benchmark, ``test_bench_planned_resizes_live_and_restart`` (select it
+alone with ``-k planned``; ``BENCH_RECOVERY_SYSTEMS=live`` or ``plain`` runs
+one script only), runs the planned changes of
+tests/e2e/test_live_resize.py on a real coordinator and agents: a join onto a
+node already up (PATCH max_nodes 2 -> 3), a drain, a cold join (an agent
+starts) and a PATCH scale-down (3 -> 2), each with examples/mlp.py
+``--live-resize`` (the live path: the workers re-form their process group and
+train on) and without it (the restart path: stop, save, restart from the
+checkpoint), interleaved in the same run. Its figure is the **training
+pause**, the longest gap between consecutive steps around the change, beside
+the time from the change to the first step at the new size, the steps taken
+again and the path the runners of the nodes that stayed say they took.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -68,7 +83,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -76,7 +91,18 @@ from examples.torchrun_scenario import descendants
 from rendezvous.client import EtcdConfig, create_client
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.records import Assignment
-from tests.support.agents import ELASTIC_DDP, AgentCluster, assign, unassign
+from tests.e2e.test_live_resize import (
+    CHANGE_DEADLINE_S,
+    Change,
+    Step,
+    mlp_spec,
+    path_taken,
+    planned_changes,
+    start_job,
+    steps,
+)
+from tests.support.agents import ELASTIC_DDP, AgentCluster, assign, unassign, warm_runner_ready
+from tests.support.coordinator import coordinator_and_agents
 from tests.support.processes import ProcessGroupRegistry
 
 REPEATS = int(os.environ.get("BENCH_RECOVERY_REPEATS", "3"))
@@ -182,9 +208,7 @@ class TidalNodes(Nodes):
         assign(self.client, node, self.job)
 
     def ready_for_job(self, node: str) -> bool:
-        """Whether the node's warm runner has imported torch and its zygote is up."""
-        logs = [p.read_text(errors="replace") for p in (self.workdir / node / "warm").glob("*.log")]
-        return any("zygote ready" in t and "ready for a job" in t for t in logs)
+        return warm_runner_ready(self.workdir / node)
 
     def kill(self, node: str) -> None:
         self.cluster.kill_agent(node)  # runner and workers die with it (parent-death signal)
@@ -659,31 +683,183 @@ def _warm(results: dict[str, list[Outcome]]) -> list[str]:
     ]
 
 
+@pytest.fixture
+def marker(monkeypatch: pytest.MonkeyPatch) -> str:
+    """This run's marker, inherited by everything started below (see _no_leftovers)."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(MARKER, value)
+    return value
+
+
+R = TypeVar("R")
+
+
+def interleaved(
+    names: list[str], run: Callable[[str, int, Path, ProcessGroupRegistry], R], *,
+    tmp_path: Path, marker: str, label: str = "",
+) -> tuple[dict[str, list[R]], list[tuple[float, float, float]]]:
+    """``run(name, repetition, workdir, procs)`` REPEATS times for each name, the
+    names interleaved so that a load burst does not hit one only; every process
+    a run started is gone before the next. Returns the results and the loads."""
+    results: dict[str, list[R]] = {name: [] for name in names}
+    loads = [_load()]
+    for rep in range(REPEATS):
+        for name in names:
+            workdir = tmp_path / f"{label}{name.replace(' ', '-')}-{rep}"
+            procs = ProcessGroupRegistry()
+            with _no_leftovers(procs, marker):
+                outcome = run(name, rep, workdir, procs)
+            results[name].append(outcome)
+            loads.append(_load())
+            print(f"\n{label}{name}, repetition {rep + 1}: {outcome} "
+                  f"(1-min load {loads[-1][0]:.2f}; logs in {workdir})")
+    return results, loads
+
+
 @pytest.mark.bench
 @pytest.mark.timeout(1800)
 def test_bench_recovery_and_scale_up(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, marker: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    marker = uuid.uuid4().hex
-    monkeypatch.setenv(MARKER, marker)  # inherited by everything started below
     monkeypatch.setenv("LOGLEVEL", "INFO")  # torch elastic logs its rounds: the breakdown
     systems = _systems(etcd_server, etcd_root)
-    names = _selected(list(systems))
-    results: dict[str, list[Outcome]] = {name: [] for name in names}
-    loads = [_load()]
-    for rep in range(REPEATS):
-        for name in names:  # interleaved, so that a load burst does not hit one system only
-            workdir = tmp_path / f"{name.replace(' ', '-')}-{rep}"
-            procs = ProcessGroupRegistry()
-            with _no_leftovers(procs, marker):
-                nodes = systems[name](workdir, procs, rep)
-                try:
-                    outcome = measure(nodes)
-                finally:
-                    nodes.close()
-            results[name].append(outcome)
-            loads.append(_load())
-            print(f"\n{name}, repetition {rep + 1}: {outcome} (1-min load {loads[-1][0]:.2f}; "
-                  f"logs in {workdir})")
+
+    def run(name: str, rep: int, workdir: Path, procs: ProcessGroupRegistry) -> Outcome:
+        nodes = systems[name](workdir, procs, rep)
+        try:
+            return measure(nodes)
+        finally:
+            nodes.close()
+
+    results, loads = interleaved(_selected(list(systems)), run, tmp_path=tmp_path, marker=marker)
     print("\n" + report(results, loads))
+    assert all(results.values())
+
+
+# Planned resizes: the live path against the restart path -----------------------
+#
+# examples/mlp.py on a real coordinator and real agents, through the changes of
+# tests/e2e/test_live_resize.py (a join onto a node already up, a drain, a cold
+# join, a PATCH scale-down), once with --live-resize and once without (today's
+# restart from the checkpoint the workers save at their stop), interleaved in
+# the same run. The figure is the training pause: the longest gap between two
+# consecutive steps (rank 0's log lines) from the last step before the change
+# to the PAUSE_STEPS-th step at its new size; a cold join's pause is not
+# counted from the agent's start, whose seconds the others spend training.
+
+#: script -> whether it uses live resize (examples/mlp.py --live-resize)
+PLANNED_MODES = {"live-resize": True, "plain": False}
+PAUSE_STEPS = 3
+
+
+@dataclass
+class Resized:
+    """One planned change in one run."""
+
+    change: str
+    pause_s: float
+    to_size_s: float  # from the change to the first step at its size
+    redone: int  # steps taken again (their first run was lost)
+    path: str  # what the status records of the nodes that stayed say
+
+
+@dataclass
+class PlannedRun:
+    resized: list[Resized] = field(default_factory=list)
+    steady_s: float | None = None  # median gap between steps before the first change
+    notes: list[str] = field(default_factory=list)
+
+
+def pause_around(taken: list[Step], change: Change) -> tuple[float, int]:
+    """The longest gap between rank 0's consecutive steps around ``change``, and how
+    many steps in that window had been taken before."""
+    zero = [s for s in taken if s.rank == 0]
+    before = [s for s in zero if s.time <= change.at]
+    after = [s for s in zero if s.time >= change.reached][:PAUSE_STEPS]
+    if not before or not after:
+        return math.inf, 0
+    window = [s for s in zero if before[-1].time <= s.time <= after[-1].time]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(window)]
+    seen = {s.step for s in zero if s.time < before[-1].time}
+    return max(gaps, default=math.inf), sum(s.step in seen for s in window[1:])
+
+
+def measure_planned(workdir: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str,
+                    *, live: bool) -> PlannedRun:
+    """A coordinator, agents a, b, c (d later) and one job through the planned changes."""
+    out = PlannedRun()
+    workdir.mkdir(parents=True)
+    with coordinator_and_agents(
+        tmp_path=workdir, etcd_server=etcd, etcd_root=root, procs=procs
+    ) as (coordinator, agents):
+        api = coordinator.client()
+        client = create_client(EtcdConfig(endpoints=[etcd.endpoint], root=root, timeout_s=10))
+        done: list[Change] = []
+        try:
+            job_id = start_job(api, agents, workdir,
+                               mlp_spec(workdir, live=live, total_steps=1_000_000))
+            planned_changes(api, agents, client, workdir, job_id, done)
+        except TimeoutError as exc:
+            out.notes.append(str(exc))
+        finally:
+            client.close()
+    taken = steps(workdir)
+    first = done[0].at if done else math.inf
+    warm = [s.time for s in taken if s.rank == 0 and s.time < first]
+    gaps = [b - a for a, b in itertools.pairwise(warm)]
+    out.steady_s = statistics.median(gaps) if gaps else None
+    for change in done:
+        pause, redone = pause_around(taken, change)
+        out.resized.append(Resized(change.name, pause, change.reached - change.at, redone,
+                                   path_taken(change)))
+    return out
+
+
+def planned_report(results: dict[str, list[PlannedRun]],
+                   loads: list[tuple[float, float, float]]) -> str:
+    """The planned-resize table (markdown): per change, the live path beside the restart."""
+    repeats = max((len(r) for r in results.values()), default=0)
+    steady = [r.steady_s for runs in results.values() for r in runs if r.steady_s is not None]
+    lines = [
+        f"{repeats} repetition(s); {_load_text(loads)}; a step every "
+        f"{statistics.median(steady) if steady else math.nan:.2f} s (median) before the changes",
+        "",
+        "| change | script | pause median (s) | pause worst (s) | change to first step "
+        "at the new size, median (s) | steps redone (worst) | path taken (staying nodes) | done |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = list(dict.fromkeys(c.change for runs in results.values() for r in runs
+                               for c in r.resized))
+    for name in names:
+        for mode, runs in results.items():
+            rows = [c for r in runs for c in r.resized if c.change == name]
+            pause = _med_worst([c.pause_s for c in rows] + [None] * (len(runs) - len(rows)))
+            to_size = _med_worst([c.to_size_s for c in rows] or [None])
+            taken = sorted({c.path for c in rows})
+            cells = [
+                name, mode, _fmt(pause[0], CHANGE_DEADLINE_S), _fmt(pause[1], CHANGE_DEADLINE_S),
+                _fmt(to_size[0], CHANGE_DEADLINE_S), str(max((c.redone for c in rows), default=0)),
+                ", ".join(taken) or "-", f"{len(rows)}/{len(runs)}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    for mode, runs in results.items():
+        for i, r in enumerate(runs):
+            if r.notes:
+                lines.append(f"{mode}, repetition {i + 1}: {'; '.join(r.notes)}")
+    return "\n".join(lines)
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(3600)
+def test_bench_planned_resizes_live_and_restart(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, marker: str
+) -> None:
+    def run(mode: str, rep: int, workdir: Path, procs: ProcessGroupRegistry) -> PlannedRun:
+        return measure_planned(workdir, procs, etcd_server, f"{etcd_root}-{mode}-{rep}",
+                               live=PLANNED_MODES[mode])
+
+    results, loads = interleaved(_selected(list(PLANNED_MODES)), run, tmp_path=tmp_path,
+                                 marker=marker, label="planned-")
+    print("\n" + planned_report(results, loads))
     assert all(results.values())
