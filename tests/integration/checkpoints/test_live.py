@@ -133,6 +133,7 @@ def reference(proc: subprocess.Popen[bytes], tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads((tmp_path / "reference.json").read_text()))
 
 
+@pytest.mark.slow  # five processes start torch: 50-60 s on the loaded 2-core machine
 def test_a_worker_joins_and_a_node_leaves_live_and_the_job_ends_as_an_uninterrupted_run(
     tmp_path: Path, procs: ProcessGroupRegistry
 ) -> None:
