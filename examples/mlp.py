@@ -160,15 +160,16 @@ class Pipeline:
     the step reached, so the global sample order does not change.
     """
 
-    def __init__(self, args: argparse.Namespace, model: nn.Module, dataset: Dataset[Any], *,
-                 end_step: int) -> None:
+    def __init__(self, args: argparse.Namespace, model: nn.Module, dataset: SyntheticRegression,
+                 *, end_step: int) -> None:
         self.args, self.model, self.dataset, self.end_step = args, model, dataset, end_step
 
     def rebuild(self, *, rank: int, world_size: int, step: int) -> None:
+        """DDP over the current process group; the sampler of ``rank`` from ``step`` on."""
         self.rank, self.world_size = rank, world_size
         self.ddp_model = DistributedDataParallel(self.model) if world_size > 1 else self.model
         self.sampler = ck.ElasticBatchSampler(
-            dataset_len=len(self.dataset),  # type: ignore[arg-type]
+            dataset_len=len(self.dataset),
             global_batch_size=self.args.global_batch_size,
             rank=rank,
             world_size=world_size,
@@ -182,6 +183,7 @@ class Pipeline:
         )
 
     def on_resize(self, resize: ck.Resize) -> None:
+        """The checkpointer's hook: the group was re-formed, the state synced at ``resize.step``."""
         log.info("resized from %d to %d ranks at step %d: now rank %d",
                  resize.previous_world_size, resize.world_size, resize.step, resize.rank)
         self.rebuild(rank=resize.rank, world_size=resize.world_size, step=resize.step)
