@@ -2,7 +2,7 @@
 
 The coordinator confines ``working_dir`` and ``checkpoint_dir`` to its roots
 when the job is submitted, and hands the agents the fully resolved absolute
-path (every symlink resolved, see ``service.app.confine``). What lies on
+path (every symlink resolved, see ``service.api_common.confine``). What lies on
 disk may change after that: the directory may be missing, be a file, or a
 component of it may have become a symbolic link leading out of the root.
 So the runner opens the path again right before it uses it, one component at

@@ -29,7 +29,8 @@ DEFAULT_ROOT = "/tidal"
 # Names that end up in keys, paths and process arguments: start with an
 # alphanumeric, then alphanumerics, '.', '_' or '-'; at most 63 characters
 # (a DNS label's length, so node ids can be hostnames).
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+_ID_RE = re.compile(ID_PATTERN)
 
 
 class InvalidIdentifierError(ValueError):

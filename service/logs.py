@@ -42,6 +42,7 @@ from fastapi import Path as PathParam
 from fastapi.params import Depends
 from fastapi.responses import StreamingResponse
 
+from rendezvous.keys import ID_PATTERN
 from rendezvous.records import JobNodeStatus
 from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, NodeInfo
 from service.models import JobEvent, JobRecord
@@ -49,7 +50,6 @@ from service.store import JobNotFoundError, JobStore
 
 log = logging.getLogger(__name__)
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 #: Seconds to connect to an agent, and to wait for its next line (it sends a
 #: heartbeat every 5 s while following).
 AGENT_CONNECT_TIMEOUT_S = 5.0

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
+from service.api_common import UNAUTHORIZED, send_error  # the API's one error shape
 
 MIN_TOKEN_LEN = 16
 
@@ -176,15 +177,14 @@ class QueueScope:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
         principal = self.tokens.resolve(authorization)
-        from service.app import UNAUTHORIZED, _send_error  # the API's one error shape
         if principal is None:  # TokenCheck answered already, unless the order changed
-            await _send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+            await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             return
         scope.setdefault("state", {})["principal"] = principal
         if not principal.admin:
             refusal = await self._refusal(principal, scope["method"], scope["path"])
             if refusal is not None:
-                await _send_error(send, 403, refusal)
+                await send_error(send, 403, refusal)
                 return
         await self.app(scope, receive, send)
 

@@ -9,8 +9,8 @@ import pytest
 
 from agent.status import RoundSpan, recovery_losses, round_span
 from rendezvous.records import JobNodeState, JobNodeStatus
-from service.app import goodput_fields
 from service.cli_views import goodput_text
+from service.views import goodput_fields
 
 
 def report(round_: int, *, first: int, step: int, t0: float, t1: float,

@@ -164,7 +164,7 @@ def test_the_nodes_of_a_job_are_those_assigned_reporting_or_named_by_an_event() 
 
 def test_the_api_shows_the_progress_of_the_nodes_in_force() -> None:
     from rendezvous.records import JobNodeState, JobNodeStatus
-    from service.app import progress_fields
+    from service.views import progress_fields
 
     def status(node: str, **fields: Any) -> JobNodeStatus:
         return JobNodeStatus(job_id="t-0123abcd", node_id=node, state=JobNodeState.RUNNING,
