@@ -35,7 +35,7 @@ class AgentEntry(BaseModel):
 
 
 class ClusterFile(BaseModel):
-    """``STATE_DIR/cluster.json``, written by ``tidal up``; only read here."""
+    """``STATE_DIR/cluster.json``: written by ``tidal up`` (service.up), read here."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -43,6 +43,7 @@ class ClusterFile(BaseModel):
     token_file: Path | None = None
     etcd_endpoint: str | None = None
     etcd_root: str | None = None
+    etcd_password_files: dict[str, Path] = Field(default_factory=dict)
     state_dir: Path | None = None
     coordinator_pid: int | None = None
     etcd_pid: int | None = None

@@ -66,7 +66,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import httpx
 
@@ -83,13 +82,13 @@ from rendezvous.etcd_auth import (
 )
 from rendezvous.etcd_server import EtcdServer
 from service.ready import ReadyFile, read_ready, write_atomically
+from service.target import CLUSTER_FILE, AgentEntry, ClusterFile
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENTS = 3
 DEFAULT_ETCD_ROOT = "/tidal"
 LEASE_TTL_S = 3
-CLUSTER_FILE = "cluster.json"
 TOKEN_FILE = "token"  # noqa: S105 (a file name, not a secret)
 HTTP_TIMEOUT_S = 5.0
 COORDINATOR_STOP_S = 10.0
@@ -104,12 +103,6 @@ class ClusterError(Exception):
 
 class StartCancelledError(ClusterError):
     """:meth:`LocalCluster.start` was told to give up (Ctrl-C or SIGTERM while starting)."""
-
-
-def default_state_dir() -> Path:
-    """``$TIDAL_HOME``, else ``~/.tidal``."""
-    home = os.environ.get("TIDAL_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".tidal"
 
 
 @dataclass(frozen=True)
@@ -386,28 +379,25 @@ class LocalCluster:
             timeout=timeout,
         )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ClusterFile:
         """What ``cluster.json`` holds."""
         with self._lock:
-            return {
-                "url": self.url,
-                "token_file": str(self.token_file),
-                "etcd_endpoint": self.etcd_endpoint,
-                "etcd_root": self.etcd_root,
-                "etcd_password_files": {u: str(self.etcd_password_file(u)) for u in USERS},
-                "state_dir": str(self.state_dir),
-                "coordinator_pid": self._coordinator.pid if self._coordinator else None,
-                "etcd_pid": self._etcd.pid if self._etcd else None,
-                "agents": [
-                    {
-                        "node_id": node_id,
-                        "pid": child.pid,
-                        "run_dir": str(child.run_dir),
-                        "metrics_port": child.metrics_port,
-                    }
+            return ClusterFile(
+                url=self.url,
+                token_file=self.token_file,
+                etcd_endpoint=self.etcd_endpoint,
+                etcd_root=self.etcd_root,
+                etcd_password_files={u: self.etcd_password_file(u) for u in USERS},
+                state_dir=self.state_dir,
+                coordinator_pid=self._coordinator.pid if self._coordinator else None,
+                etcd_pid=self._etcd.pid if self._etcd else None,
+                agents=[
+                    AgentEntry(node_id=node_id, pid=child.pid,
+                               run_dir=child.run_dir or self.run_root / node_id,
+                               metrics_port=child.metrics_port)
                     for node_id, child in self._agents.items()
                 ],
-            }
+            )
 
     # starting -------------------------------------------------------------------------
 
@@ -652,7 +642,7 @@ class LocalCluster:
 
     def _write_cluster_file(self) -> None:
         with self._lock:
-            _write_atomically(self.cluster_file, json.dumps(self.describe(), indent=2) + "\n")
+            _write_atomically(self.cluster_file, self.describe().model_dump_json(indent=2) + "\n")
             self._wrote_cluster_file = True
 
     # changing it ----------------------------------------------------------------------

@@ -20,13 +20,13 @@ import click
 
 from service.prometheus import LocalPrometheus, PrometheusError, target_of
 from service.settings import SettingsError
+from service.target import default_state_dir
 from service.up import (
     DEFAULT_AGENTS,
     ChildExit,
     ClusterError,
     LocalCluster,
     StartCancelledError,
-    default_state_dir,
 )
 
 
@@ -124,7 +124,7 @@ def up_command(
     try:
         cluster.start(cancel=stop)
         if prometheus is not None:
-            agents = [f"127.0.0.1:{a['metrics_port']}" for a in cluster.describe()["agents"]]
+            agents = [f"127.0.0.1:{a.metrics_port}" for a in cluster.describe().agents]
             prometheus.start(coordinator=target_of(cluster.url), agents=agents)
         _announce(cluster, prometheus)
         while failure is None and not stop.wait(0.5):

@@ -162,7 +162,7 @@ def submit_mlp(cluster: LocalCluster) -> str:
 
 
 def agent_targets(cluster: LocalCluster) -> list[str]:
-    return [f"127.0.0.1:{a['metrics_port']}" for a in cluster.describe()["agents"]]
+    return [f"127.0.0.1:{a.metrics_port}" for a in cluster.describe().agents]
 
 
 def wait_world_size(prom: Prometheus, job: str, size: int, cluster: LocalCluster) -> None:
@@ -253,7 +253,7 @@ def test_prometheus_sees_the_job_shrink_grow_restart_and_checkpoint(
 
     # A node dies: the world size drops to 2, the survivors count a node_lost restart.
     victim = cluster.node_ids[-1]
-    victim_target = f"127.0.0.1:{cluster.describe()['agents'][-1]['metrics_port']}"
+    victim_target = f"127.0.0.1:{cluster.describe().agents[-1].metrics_port}"
     cluster.kill_agent(victim)
     wait_world_size(prom, job, 2, cluster)
     wait_for(lambda: restarts(prom, job).get("node_lost", 0) >= 1, timeout=30,
