@@ -10,12 +10,13 @@ trains at the size the previous one led to (:func:`planned_changes`):
 3. d's agent starts: d joins cold (3);
 4. PATCH max_nodes 2: d, the newest, is released (2).
 
-Each change is taken on the live path, and the job's events say so; the
+Each change is taken on the live path, and the status records of the nodes
+that stayed, the job's events and the agent's metrics say so; the
 workers of a node that stays are never restarted, every step is taken exactly
 once (0 completed steps lost, none redone), and the final parameters equal
 those of the same job run uninterrupted under plain torchrun. The same kind of
 change with a script that does not use live resize (mlp.py without
---live-resize) takes today's restart path, and the events say that too.
+--live-resize) takes today's restart path, and they say that too, and why.
 
 tests/bench/bench_recovery.py runs the same changes to measure the pauses.
 """
@@ -171,13 +172,14 @@ class Change:
     """One planned change, made at ``at`` (time.time()); the job logged its first
     step at the ``size`` it leads to at ``reached``. ``paths``: the path each node
     in the job before and after it says it took (its status record's last_resize:
-    "live", or "restart (<why>)")."""
+    "live", or "restart (<why>)"); ``events``: the job's events that say so."""
 
     name: str
     size: int
     at: float
     reached: float
     paths: dict[str, str]
+    events: list[str]  # the job's events saying the path, "reason: message"
 
 
 def resizes(client: EtcdClient, job_id: str) -> dict[str, tuple[int, str | None]]:
@@ -202,6 +204,31 @@ def paths_after(client: EtcdClient, job_id: str, nodes: set[str],
     return found
 
 
+RESIZE_EVENTS = ("resized_live", "resized_by_restart")
+
+
+def resize_events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    """The job's events that say which path a membership change took, oldest first."""
+    response = api.get(f"/v1/jobs/{job_id}/events")
+    assert response.status_code == 200, response.text
+    return [e for e in response.json()["events"] if e["reason"] in RESIZE_EVENTS]
+
+
+def events_after(api: httpx.Client, job_id: str, nodes: set[str], seen: int,
+                 what: str) -> list[str]:
+    """The job's path events after its first ``seen``, once they name every node of
+    ``nodes``, as "reason: message"."""
+
+    def named() -> list[dict[str, Any]] | None:
+        new = resize_events(api, job_id)[seen:]
+        return new if nodes <= {n for e in new for n in e["nodes"]} else None
+
+    found = wait_for(named, timeout=CHANGE_DEADLINE_S, what=f"events naming {sorted(nodes)} "
+                     f"for {what}")
+    assert found is not None
+    return [f"{e['reason']}: {e['message']}" for e in found]
+
+
 def planned_changes(api: httpx.Client, agents: AgentCluster, client: EtcdClient, root: Path,
                     job_id: str, done: list[Change]) -> None:
     """Make the four changes of the module's docstring, on a job :func:`start_job`
@@ -214,7 +241,7 @@ def planned_changes(api: httpx.Client, agents: AgentCluster, client: EtcdClient,
 
     def change(name: str, nodes: set[str], make: Any) -> None:
         nonlocal members
-        before = resizes(client, job_id)
+        before, seen = resizes(client, job_id), len(resize_events(api, job_id))
         at = time.time()
         make()
         size = len(nodes)
@@ -222,7 +249,8 @@ def planned_changes(api: httpx.Client, agents: AgentCluster, client: EtcdClient,
                          what=f"a step at world size {size} after '{name}'")
         assert first is not None
         paths = paths_after(client, job_id, members & nodes, before, f"'{name}'")
-        done.append(Change(name, size, at, first.time, paths))
+        said = events_after(api, job_id, members & nodes, seen, f"'{name}'")
+        done.append(Change(name, size, at, first.time, paths, said))
         log.info("%s: first step at world size %d %.2f s after it; paths %s",
                  name, size, first.time - at, paths)
         wait_for(lambda: running_at(api, job_id, nodes), timeout=CHANGE_DEADLINE_S,
@@ -249,6 +277,11 @@ def path_taken(change: Change) -> str:
     """The paths the nodes that stayed say ``change`` took, e.g. "live" or
     "restart (not_capable)" (several, comma-separated, where they differ)."""
     return ", ".join(sorted(set(change.paths.values())))
+
+
+def event_reasons(change: Change) -> str:
+    """The reasons of the events that say which path ``change`` took, comma-separated."""
+    return ", ".join(sorted({e.partition(":")[0] for e in change.events}))
 
 
 def agent_metrics(port: int, job_id: str) -> dict[tuple[str, ...], float]:
@@ -292,9 +325,13 @@ def test_joins_a_drain_and_two_patches_taken_live_end_with_the_uninterrupted_par
     changes: list[Change] = []
     planned_changes(api, agents, etcd_client, tmp_path, job_id, changes)
     # Each change on the live path, as the status records of the nodes that
-    # stayed say, and node a's metrics (one per change, none on the restart path).
-    assert {c.name: path_taken(c) for c in changes} == dict.fromkeys(
-        ["join, node up", "drain", "join, cold", "PATCH scale-down"], "live"), changes
+    # stayed, the job's events and node a's metrics (one per change, none on
+    # the restart path) say.
+    names = ["join, node up", "drain", "join, cold", "PATCH scale-down"]
+    assert {c.name: path_taken(c) for c in changes} == dict.fromkeys(names, "live"), changes
+    assert {c.name: event_reasons(c) for c in changes} == dict.fromkeys(
+        names, "resized_live"), changes
+
     def by_mode() -> dict[str, float]:
         samples = agent_metrics(port, job_id)
         return {mode: sum(v for k, v in samples.items()
@@ -333,15 +370,18 @@ def test_a_script_without_live_resize_takes_the_restart_path_and_says_so(
     port = free_port()
     job_id = start_job(api, agents, tmp_path, mlp_spec(tmp_path, live=False, total_steps=100_000),
                        metrics_port=port)
-    before = resizes(etcd_client, job_id)
+    before, seen = resizes(etcd_client, job_id), len(resize_events(api, job_id))
     at = time.time()
     assert api.patch(f"/v1/jobs/{job_id}", json={"max_nodes": 3}).status_code == 200
     wait_for(lambda: first_step_at(tmp_path, 3, after=at), timeout=CHANGE_DEADLINE_S,
              what="a step at world size 3")
     paths = paths_after(etcd_client, job_id, {"a", "b"}, before, "c's join")
+    said = events_after(api, job_id, {"a", "b"}, seen, "c's join")
     # The workers never announced the live path: a and b restarted them, from
     # the checkpoint they saved at their stop (the step after the last completed).
     assert paths == {"a": "restart (not_capable)", "b": "restart (not_capable)"}, paths
+    assert said and all(e.startswith("resized_by_restart: ") and e.endswith(": not_capable")
+                        for e in said), said
     wait_for(lambda: {("tidal_agent_job_resizes_total", "restart", "join"),
                       ("tidal_agent_job_live_fallbacks_total", "not_capable")}
              <= {k for k, v in agent_metrics(port, job_id).items() if v == 1},
