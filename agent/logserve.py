@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from agent import rundir
 from rendezvous.keys import InvalidIdentifierError, validate_id
 from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, log_proof
 
@@ -118,13 +119,11 @@ def find_log_files(
     Raises:
         InvalidIdentifierError: ``job_id`` is not a valid id (it would become a path).
     """
-    job_dir = run_dir / "jobs" / validate_id(job_id, what="job id")
     found = []
-    for gen_dir in job_dir.glob("gen-*"):
-        generation = _number(gen_dir.name, "gen-")
-        if generation is None or generation <= after_generation:
+    for generation, gen_dir in rundir.generations(run_dir, job_id):
+        if generation <= after_generation:
             continue
-        for run_path in (gen_dir / "logs").glob("*"):
+        for run_path in rundir.logs_dir(gen_dir).glob("*"):
             try:
                 run_mtime = run_path.stat().st_mtime
             except OSError:

@@ -43,6 +43,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from agent import rundir
 from agent.status import (
     FALLBACK_CAUSES,
     GOODPUT_CAUSES,
@@ -69,21 +70,6 @@ log = logging.getLogger(__name__)
 # starts at zero for every reason, so increase() sees the first restart.
 SCALED = "scaled"
 RESTART_REASONS: tuple[str, ...] = (*(r.value for r in RestartReason), SCALED)
-
-
-def generation_dir(run_dir: Path, job_id: str, generation: int) -> Path:
-    """Where the daemon runs a job's generation: :meth:`agent.daemon.Agent._job_dir`'s layout."""
-    return run_dir / "jobs" / job_id / f"gen-{generation}"
-
-
-def generation_dirs(run_dir: Path, job_id: str) -> list[Path]:
-    """The job's generation directories under an agent's run directory, oldest first."""
-    found = []
-    for path in (run_dir / "jobs" / job_id).glob("gen-*"):
-        suffix = path.name.removeprefix("gen-")
-        if suffix.isdigit() and path.is_dir():
-            found.append((int(suffix), path))
-    return [path for _, path in sorted(found)]
 
 
 @dataclass
@@ -332,8 +318,9 @@ class JobStatusCollector(Collector):
                 self._add_status(fam, st)
             self._add_counters(fam, job_id, extra.get(job_id, {}))
             if st is not None and not st.state.is_terminal() and self._run_dir is not None:
-                progress_dir = generation_dir(self._run_dir, job_id, st.generation) / "progress"
-                summary = summarize_progress(read_progress_reports(progress_dir))
+                generation = rundir.generation_dir(self._run_dir, job_id, st.generation)
+                reports = read_progress_reports(rundir.progress_dir(generation))
+                summary = summarize_progress(reports)
                 self._add_progress(fam, job_id, summary)
         return fam.all()
 
@@ -353,7 +340,7 @@ class JobStatusCollector(Collector):
     def _add_counters(self, fam: _Families, job_id: str, extra: Mapping[str, int]) -> None:
         files: list[RunnerMetrics] = []
         if self._run_dir is not None:
-            for directory in generation_dirs(self._run_dir, job_id):
+            for directory in rundir.generation_dirs(self._run_dir, job_id):
                 data = self._files.read(directory / RUNNER_METRICS_FILE)
                 if data is not None:
                     files.append(data)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent import rundir
 from agent.jobpaths import JobSetupError, check_directory, enter_directory
 from agent.lifeline import die_with_parent
 from agent.workeruser import ENV_WORKER_USER, pin_worker_user
@@ -56,7 +57,7 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     from rendezvous.gpus import device_env
 
     job = spec.assignment
-    progress_dir = spec.job_dir / "progress"
+    progress_dir = rundir.progress_dir(spec.job_dir)
     progress_dir.mkdir(parents=True, exist_ok=True)
     if spec.prior is not None:
         # This runner replaces one that died: its workers' progress files (a

@@ -34,7 +34,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-from agent.metrics import AgentMetrics, JobStatusCollector, generation_dir
+from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.rundir import generation_dir
 from agent.status import (
     RunnerMetricsRecorder,
     read_progress_reports,

@@ -16,9 +16,8 @@ from agent.metrics import (
     RESTART_REASONS,
     AgentMetrics,
     JobStatusCollector,
-    generation_dir,
-    generation_dirs,
 )
+from agent.rundir import generation_dir, generation_dirs
 from agent.settings import AgentSettings
 from agent.status import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError

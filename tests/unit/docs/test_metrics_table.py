@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.gpu_metrics import GpuCollector
 from agent.gpus import GpuReading, GpuSnapshot
-from agent.metrics import AgentMetrics, JobStatusCollector, generation_dir
+from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.rundir import generation_dir
 from agent.status import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.gpus import GpuInfo
 from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError
