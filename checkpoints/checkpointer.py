@@ -342,17 +342,12 @@ class Checkpointer:
             return Resume(step=0, fresh=True, path=None, saved_world_size=None, extra={})
         path = self._store.path_of(chosen)
         manifest, state = self._load_chosen(path, state)
-        apply_state(
+        extra = self._apply(  # sharded: DCP loaded the model and optimizer in place already
             state,
             model=None if self._sharded else self._model,
             optimizer=None if self._sharded else self._optimizer,
-            scheduler=self._scheduler,
-            scaler=self._scaler,
             path=path,
         )
-        extra = dict(state.get("extra") or {})
-        if self._load_extra_state is not None:
-            self._load_extra_state(extra)
         self._last_saved_step = chosen
         self._last_save_time = time.monotonic()
         self._live_step = chosen
@@ -370,6 +365,29 @@ class Checkpointer:
             saved_world_size=manifest.world_size,
             extra=extra,
         )
+
+    def _apply(
+        self,
+        state: dict[str, Any],
+        *,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        path: Path,
+    ) -> dict[str, Any]:
+        """Load a restored tree into ``model``, ``optimizer`` (None: loaded already), the
+        scheduler, scaler and RNGs; return the user extras, given to ``load_extra_state``."""
+        apply_state(
+            state,
+            model=model,
+            optimizer=optimizer,
+            scheduler=self._scheduler,
+            scaler=self._scaler,
+            path=path,
+        )
+        extra = dict(state.get("extra") or {})
+        if self._load_extra_state is not None:
+            self._load_extra_state(extra)
+        return extra
 
     def _choose(self, fence: Fence) -> tuple[int, dict[str, Any] | None]:
         """Rank 0: the newest checkpoint that verifies (and, if replicated, loads).
@@ -619,14 +637,10 @@ class Checkpointer:
         state = synced.state
         if state is None:
             return None
-        source = Path(f"<the live state of rank {synced.source}>")
-        apply_state(
-            state, model=None, optimizer=self._optimizer, scheduler=self._scheduler,
-            scaler=self._scaler, path=source,
+        extra = self._apply(  # the model came in place
+            state, model=None, optimizer=self._optimizer,
+            path=Path(f"<the live state of rank {synced.source}>"),
         )
-        extra = dict(state.get("extra") or {})
-        if self._load_extra_state is not None:
-            self._load_extra_state(extra)
         live = state["live"]
         self._epoch = int(live["epoch"])
         self._last_saved_step = live["last_saved_step"]
