@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[3]
 MLP = REPO / "examples" / "mlp.py"
-TOTAL_STEPS = 50
+TOTAL_STEPS = 70  # the join and the leave come within the first ~12: room for a slow test process
 ARGS = [
     "--total-steps", str(TOTAL_STEPS), "--global-batch-size", "10", "--max-local-batch", "4",
     "--dataset-size", "64", "--dtype", "float64", "--every-steps", "8", "--seed", "3",
