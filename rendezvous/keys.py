@@ -125,6 +125,28 @@ class Keys:
             raise InvalidIdentifierError(f"{key!r} is not an assignment key")
         return validate_id(node_id, what="node id"), validate_id(job_id, what="job id")
 
+    @staticmethod
+    def id_under(prefix: str, key: str) -> str | None:
+        """The identifier ``key`` names directly under ``prefix`` (one of the
+        ``*_prefix`` keys above), or None for a key that is not one: outside the
+        prefix, deeper than one level, or not a valid identifier. Every key is
+        parsed here, never by slicing."""
+        if not key.startswith(prefix):
+            return None
+        rest = key[len(prefix):]
+        try:
+            return validate_id(rest)
+        except InvalidIdentifierError:
+            return None
+
+    def node_of(self, key: str) -> str | None:
+        """The node id of a :meth:`node` key, else None."""
+        return self.id_under(self.nodes_prefix(), key)
+
+    def drained_node(self, key: str) -> str | None:
+        """The node id of a :meth:`drain` key, else None."""
+        return self.id_under(self.drains_prefix(), key)
+
     # drains (written by the coordinator: the node record belongs to the agent)
     def drains_prefix(self) -> str:
         return f"{self.root}/drains/"

@@ -45,7 +45,7 @@ from pydantic import (
 from rendezvous.client import Compare, EtcdClient, Get, Put, WatchEvent
 from rendezvous.errors import EtcdError
 from rendezvous.gpus import MAX_GPUS, GpuInfo, check_indices
-from rendezvous.keys import validate_id
+from rendezvous.keys import Keys, validate_id
 from rendezvous.lease import LeaseKeeper
 from rendezvous.watch import PrefixWatcher
 
@@ -449,7 +449,9 @@ class NodeRegistry:
         live: set[str] = set()
 
         def on_event(event: WatchEvent) -> None:
-            node_id = event.key[len(self._prefix) :]
+            node_id = Keys.id_under(self._prefix, event.key)
+            if node_id is None:
+                return  # not a node record
             if event.kind == "delete":
                 if node_id in live:
                     live.discard(node_id)

@@ -156,9 +156,9 @@ class Reconciler:
         self._wake.set()
 
     def _on_event(self, event: WatchEvent) -> None:
-        prefix = self.store.keys.nodes_prefix()
-        if event.kind == "delete" and event.key.startswith(prefix):
-            self.metrics.node_departed(event.key.removeprefix(prefix), event.mod_revision)
+        node = self.store.keys.node_of(event.key)
+        if event.kind == "delete" and node is not None:
+            self.metrics.node_departed(node, event.mod_revision)
         self._wake.set()
 
     # leadership ------------------------------------------------------------------------

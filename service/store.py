@@ -256,8 +256,7 @@ class JobStore:
 
     def drains(self) -> set[str]:
         kvs, _ = self.client.get_prefix(self.keys.drains_prefix())
-        prefix = self.keys.drains_prefix()
-        return {kv.key[len(prefix):] for kv in kvs}
+        return {node for kv in kvs if (node := self.keys.drained_node(kv.key)) is not None}
 
     def set_drain(self, node_id: str, draining: bool) -> None:
         key = self.keys.drain(node_id)
@@ -285,7 +284,8 @@ class JobStore:
             jobs_by_key[kv.key].job_id: kv.mod_revision for kv in jobs_kv if kv.key in jobs_by_key
         }
         nodes = {n.node_id: n for n in self._cache.parse(nodes_kv, NodeInfo).values()}
-        drains = frozenset(kv.key[len(prefixes[2]):] for kv in drains_kv)
+        drains = frozenset(node for kv in drains_kv
+                           if (node := k.drained_node(kv.key)) is not None)
         assignments, strays = self._assignments(assign_kv, jobs)
         statuses: dict[str, dict[str, JobNodeStatus]] = {}
         for st in self._cache.parse(status_kv, JobNodeStatus).values():

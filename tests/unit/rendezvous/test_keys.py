@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rendezvous.keys import DEFAULT_ROOT, InvalidIdentifierError, Keys, validate_id, validate_root
 
@@ -127,3 +129,19 @@ def test_event_rejects_a_negative_sequence_number() -> None:
 def test_builders_validate_the_identifiers_they_embed(build) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidIdentifierError):
         build(Keys())
+
+
+def test_a_key_is_parsed_back_to_its_id_or_to_none() -> None:
+    keys = Keys("/t")
+    assert keys.node_of(keys.node("n-1")) == "n-1"
+    assert keys.drained_node(keys.drain("n-1")) == "n-1"
+    for other in (keys.drain("n-1"), "/t/nodes/", "/t/nodes/a/b", "/t/nodes/../x", "/u/nodes/a",
+                  "/t/nodes-extra/a"):
+        assert keys.node_of(other) is None, other
+
+
+@given(st.text(max_size=80))
+def test_parsing_never_raises_and_only_returns_what_the_builder_accepts(suffix: str) -> None:
+    keys = Keys("/t")
+    parsed = keys.node_of(keys.nodes_prefix() + suffix)
+    assert parsed is None or keys.node(parsed) == keys.nodes_prefix() + suffix
