@@ -397,16 +397,16 @@ class TidalElasticAgent(LocalElasticAgent):
         log.info("node(s) %s %s: resizing the group live", ", ".join(sorted(change.nodes)),
                  "waiting to join" if change.kind == "waiting" else "leaving")
         ids = {w.local_rank: w.id for w in group.workers}
+        # Until it is decided: a SIGTERM meanwhile takes today's path (the flag
+        # stays set when an exception leaves from here).
         self._resizing = True
-        try:
-            self._rendezvous(group)  # the workers keep training meanwhile
-            for worker in group.workers:  # the same processes, with new ranks
-                worker.id = ids.get(worker.local_rank)
-            new_members = self._handler.participants()
-            round_ = self._handler.current_round()
-            outcome = self._tell_and_await(round_)
-        finally:
-            self._resizing = False
+        self._rendezvous(group)  # the workers keep training meanwhile
+        for worker in group.workers:  # the same processes, with new ranks
+            worker.id = ids.get(worker.local_rank)
+        new_members = self._handler.participants()
+        round_ = self._handler.current_round()
+        outcome = self._tell_and_await(round_)
+        self._resizing = False
         if outcome == live.DONE:
             seconds = time.monotonic() - noticed
             log.info("the workers resized into round %d live in %.2f s", round_, seconds)
