@@ -150,6 +150,9 @@ class EventReason(str, Enum):
     # workers re-formed the process group in place, or were restarted from the newest state
     RESIZED_LIVE = "resized_live"
     RESIZED_BY_RESTART = "resized_by_restart"
+    # a running job's membership changed: RESCALING until every node runs at the new
+    # size, by whichever path (its RUNNING event says resized_live or restarted)
+    RESIZING = "resizing"
 
 
 ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]

@@ -271,6 +271,17 @@ def resize_rises(
     return folded, rises
 
 
+def resized_live(reports: Mapping[str, JobNodeStatus]) -> bool:
+    """Whether the job's last membership change went the live path on its nodes.
+
+    True when every node that says how its last change went (``last_resize``)
+    says "live", and at least one does; a node that joined, or whose runner
+    started anew, says nothing.
+    """
+    said = [st.last_resize for st in reports.values() if st.last_resize]
+    return bool(said) and all(s == "live" for s in said)
+
+
 #: Nodes a message lists by name; the rest are counted ("and 280 more").
 MAX_NAMES_IN_MESSAGE = 16
 #: Longest error text an event or condition quotes.
@@ -623,6 +634,8 @@ class _Planner:
         spec = record.spec
         kept = self.members[job_id]
         note = f"; {len(kept)} node(s) go on, nothing restarts"
+        if job_id in self.grown or job_id in self.gangs or change.delete:
+            note = "; the running nodes keep their runners"  # others join or leave
         if len(kept) < spec.min_nodes:
             for node_id in sorted(rebounded):
                 kept[node_id] = change.put[node_id] = self.new_assignment(job_id)
@@ -1112,13 +1125,19 @@ class _Planner:
             st.state == JobNodeState.RUNNING and st.world_size == world for st in reports.values()
         )
         if settled and not changed:
-            self.set_phase(job_id, JobPhase.RUNNING, EventReason.RESTARTED,
-                           f"running at world size {world}")
+            # The phase's event says the path only when it was live: a restart
+            # is what the job did before the live path existed.
+            how = EventReason.RESIZED_LIVE if resized_live(reports) else EventReason.RESTARTED
+            self.set_phase(job_id, JobPhase.RUNNING, how, f"running at world size {world}")
             self._condition(job_id, "Running", True, EventReason.RESTARTED,
                             f"world size {world} on {nodes}")
             return
         if changed or current.phase == JobPhase.PENDING:
-            if record.started_at is not None:  # it ran before: a restart from checkpoint
+            if current.phase != JobPhase.PENDING and record.started_at is not None:
+                # Its nodes may resize live or restart (agent.live): not known yet.
+                self.set_phase(job_id, JobPhase.RESCALING, EventReason.RESIZING,
+                               f"resizing to {len(kept)} node(s)")
+            elif record.started_at is not None:  # it waited: a restart from checkpoint
                 self.set_phase(job_id, JobPhase.RESCALING, EventReason.RESTARTED,
                                f"restarting on {len(kept)} node(s) from the latest checkpoint")
             else:

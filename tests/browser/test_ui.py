@@ -257,38 +257,47 @@ def _sign_in_scenario(tmp_path: Path, coordinator: CoordinatorProcess, agents: A
     # The page's pure parts: a recovery lasts from its event to the job running again.
     durations = driver.execute_script(
         """
-        const ev = (seq, t, phase, reason) => ({seq, time: t, phase, reason, world_size: 2});
+        const ev = (seq, t, phase, reason, nodes = []) =>
+          ({seq, time: t, phase, reason, nodes, world_size: 2});
         const out = window.tidalUi.recoveries([
           ev(0, '2026-01-01T00:00:00Z', 'PENDING', 'submitted'),
           ev(1, '2026-01-01T00:00:01Z', 'RUNNING', 'scheduled'),
           ev(2, '2026-01-01T00:00:10Z', 'RESCALING', 'node_lost'),
           ev(3, '2026-01-01T00:00:13.5Z', 'RUNNING', 'restarted'),
-          ev(4, '2026-01-01T00:01:00Z', 'RUNNING', 'scaled_by_user'),
-        ev(5, '2026-01-01T00:01:00Z', 'RUNNING', 'node_lost'),
+          // New bounds alone (the API's event, the scheduler's): nothing restarts.
+          ev(4, '2026-01-01T00:00:20Z', 'RUNNING', 'scaled_by_user'),
+          ev(5, '2026-01-01T00:00:20Z', 'RUNNING', 'scaled_by_user'),
+          ev(6, '2026-01-01T00:00:30Z', 'RUNNING', 'node_joined', ['c']),
+          ev(7, '2026-01-01T00:00:30Z', 'RESCALING', 'resizing'),
+          ev(8, '2026-01-01T00:00:31Z', 'RUNNING', 'resized_live'),
+          ev(9, '2026-01-01T00:01:00Z', 'RUNNING', 'scaled_by_user', ['c']),
+          ev(10, '2026-01-01T00:01:00Z', 'RUNNING', 'node_lost'),
         ], Date.parse('2026-01-01T00:01:02Z'));
         return Array.from(out.entries());
         """
     )
     assert durations == [[2, {"seconds": 3.5, "ongoing": False}],
-                         [4, {"seconds": 2, "ongoing": True}]]
+                         [6, {"seconds": 1, "ongoing": False}],
+                         [9, {"seconds": 2, "ongoing": True}]]
     # Nodes that join in the pass that starts the job are its start, not a recovery.
     durations = driver.execute_script(
         """
-        const ev = (seq, t, phase, reason) => ({seq, time: t, phase, reason, world_size: 2});
+        const ev = (seq, t, phase, reason, nodes = []) =>
+          ({seq, time: t, phase, reason, nodes, world_size: 2});
         const out = window.tidalUi.recoveries([
           ev(0, '2026-01-01T00:00:00Z', 'PENDING', 'submitted'),
           ev(1, '2026-01-01T00:00:01Z', 'PENDING', 'scheduled'),
           ev(2, '2026-01-01T00:00:01Z', 'PENDING', 'node_joined'),
           ev(3, '2026-01-01T00:00:01Z', 'RUNNING', 'scheduled'),
           ev(4, '2026-01-01T00:00:40Z', 'RUNNING', 'scaled_by_user'),
-          ev(5, '2026-01-01T00:00:40Z', 'RUNNING', 'scaled_by_user'),
-          ev(6, '2026-01-01T00:00:40Z', 'RESCALING', 'restarted'),
+          ev(5, '2026-01-01T00:00:40Z', 'RUNNING', 'scaled_by_user', ['b']),
+          ev(6, '2026-01-01T00:00:40Z', 'RESCALING', 'resizing'),
           ev(7, '2026-01-01T00:00:51Z', 'RUNNING', 'restarted'),
         ], Date.parse('2026-01-01T00:01:00Z'));
         return Array.from(out.entries());
         """
     )
-    assert durations == [[4, {"seconds": 11, "ongoing": False}]]
+    assert durations == [[5, {"seconds": 11, "ongoing": False}]]
     goodput = driver.execute_script(
         "return [window.tidalUi.goodputText({goodput: 0.9712, lost_seconds: {restart: 9,"
         " detection: 1, redone: 2, checkpoint_stall: 0.01}}), window.tidalUi.goodputText({})];")
@@ -358,14 +367,16 @@ def _resize_scenario(coordinator: CoordinatorProcess, agents: AgentCluster, api:
     assert response.status_code == 200, response.text
 
     def resized() -> list[dict[str, str]] | None:
-        # The API's event (the new bounds), then the scheduler's (a node
-        # released, world size 1): one recovery, shown on the first.
+        # The API's event (the new bounds: nothing restarts for them), then the
+        # scheduler's (a node released, world size 1), newest first: the
+        # recovery starts at the release.
         scaled = [e for e in events_shown(driver) if e["reason"] == "scaled_by_user"]
         shown_now = summary(driver)
         ok = (shown_now.get("World size", "").startswith("1 ")
               and shown_now.get("Phase") == "RUNNING"
               and len(scaled) == 2 and scaled[0]["world"] == "1"
-              and scaled[1]["recovery"].endswith(" s") and "so far" not in scaled[1]["recovery"])
+              and scaled[0]["recovery"].endswith(" s") and "so far" not in scaled[0]["recovery"]
+              and not scaled[1]["recovery"].endswith(" s"))
         return scaled if ok else None
 
     wait_for(resized, timeout=180, what="the page at world size 1 with the resize's recovery")

@@ -26,6 +26,8 @@
     "node_lost", "node_drained", "node_joined", "scaled_by_user", "restart_charged",
     "below_min_nodes", "reclaimed", "preempted",
   ]);
+  // The reasons of the event that says the job runs again at its new size.
+  const RESUMED = new Set(["restarted", "resized_live"]);
   const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 
   let refreshTimer = null;
@@ -392,12 +394,19 @@
 
   // How long each recovery took: from a disrupting event (a node lost or
   // joined, a resize, a charged restart) until the job ran again, i.e. the
-  // next event in phase RUNNING with reason "restarted" (the scheduler writes
-  // it once every node runs at the new size). Disruptions that come before the
+  // next event in phase RUNNING with reason "restarted" or "resized_live" (the
+  // scheduler writes it once every node runs at the new size). New bounds
+  // disrupt only when they release nodes (the event names them): bounds alone
+  // restart nothing. Disruptions that come before the
   // job ran again are one recovery, shown on the first of them; those before
   // the job first ran (nodes joining in the pass that starts it) are its start,
   // not a recovery. Returns seq -> {seconds, ongoing}; a recovery the job's end
   // cut short is left out.
+  function disrupts(event) {
+    if (event.reason === "scaled_by_user") return (event.nodes || []).length > 0;
+    return DISRUPTIONS.has(event.reason);
+  }
+
   function recoveries(events, nowMs) {
     const out = new Map();
     let start = null;
@@ -407,7 +416,7 @@
         ran = true;
         continue;
       }
-      if (event.phase === "RUNNING" && event.reason === "restarted") {
+      if (event.phase === "RUNNING" && RESUMED.has(event.reason)) {
         if (start !== null) {
           out.set(start.seq, {seconds: (Date.parse(event.time) - Date.parse(start.time)) / 1000,
                               ongoing: false});
@@ -415,7 +424,7 @@
         start = null;
       } else if (TERMINAL.has(event.phase)) {
         start = null;
-      } else if (ran && start === null && DISRUPTIONS.has(event.reason)) {
+      } else if (ran && start === null && disrupts(event)) {
         start = event;
       }
     }

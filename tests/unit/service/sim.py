@@ -191,12 +191,14 @@ class Sim:
         last_step: int | None = None,
         charged: int = 0,
         remaining_restarts: int = 0,
+        last_resize: str | None = None,
     ) -> None:
         """``node_id``'s agent reports ``state`` for its assignment of ``job_id``.
 
         Unless given, the generation is the assignment's and the world size the
         job's current one (assigned nodes times processes per node). ``charged``:
-        the restarts the agent charged to the node's budget in this generation.
+        the restarts the agent charged to the node's budget in this generation;
+        ``last_resize``: the path its last membership change took (agent.live).
         """
         if generation is None:
             generation = self.view.assignments[job_id][node_id].generation
@@ -208,6 +210,7 @@ class Sim:
             last_step=last_step, remaining_restarts=remaining_restarts,
             restart_count=charged,
             restart_reasons={"worker_failed": charged} if charged else {},
+            last_resize=last_resize,
         )
         statuses = {job: dict(per_node) for job, per_node in self.view.statuses.items()}
         statuses.setdefault(job_id, {})[node_id] = status

@@ -245,6 +245,31 @@ def test_a_lost_node_shrinks_the_job_which_rescales_until_the_survivors_run_at_t
     assert sim.step() == []
 
 
+@pytest.mark.parametrize(("path", "reason"), [
+    ("live", EventReason.RESIZED_LIVE),
+    ("restart (not_capable)", EventReason.RESTARTED),
+])
+def test_a_resize_says_resizing_then_how_it_went_on_the_nodes_that_stayed(
+    path: str, reason: EventReason
+) -> None:
+    sim = cluster(1, 1, 1)
+    sim.submit(make_job("j", min_nodes=1, max_nodes=3))
+    sim.kill("n3")
+    running(sim, "j")
+    sim.join(make_node("n3"))
+    [change] = sim.step()
+    phased = [e for e in change.events if e.phase == JobPhase.RESCALING]
+    assert [(e.reason, e.message) for e in phased][-1] == (EventReason.RESIZING,
+                                                             "resizing to 3 node(s)")
+    assert EventReason.RESTARTED not in [e.reason for e in change.events]  # not known yet
+    for node in ("n1", "n2"):  # the joiner starts fresh: it says nothing
+        sim.report("j", node, last_resize=path)
+    sim.report("j", "n3")
+    [change] = sim.step()
+    assert sim.phase("j") == JobPhase.RUNNING
+    assert [(e.reason, e.message) for e in change.events] == [(reason, "running at world size 3")]
+
+
 def test_a_job_below_its_minimum_is_pending_and_runs_again_when_a_node_returns() -> None:
     sim = cluster(1, 1)
     sim.submit(make_job("j", min_nodes=2, max_nodes=2))
@@ -412,8 +437,9 @@ def test_a_minimum_raised_to_what_free_nodes_make_up_restarts_nothing() -> None:
         n: a.model_copy(update={"min_nodes": 3, "max_nodes": 3}) for n, a in old.items()}
     assert sim.placed("j") == {"n1", "n2", "n3"}  # the third joins the two that go on
     assert "scaled_by_user" not in sim.job("j").restarts
-    assert [e.reason for e in change.events][:2] == [EventReason.SCALED_BY_USER,
-                                                     EventReason.NODE_JOINED]
+    assert [(e.reason, e.message) for e in change.events][:2] == [
+        (EventReason.SCALED_BY_USER, "bounds now 3..3 nodes; the running nodes keep their runners"),
+        (EventReason.NODE_JOINED, "node(s) n3 joined")]
     running(sim, "j")
 
 
