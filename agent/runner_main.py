@@ -42,6 +42,7 @@ from agent.lifeline import die_with_parent
 from agent.workeruser import ENV_WORKER_USER, pin_worker_user
 from agent.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
 from rendezvous import worker_env
+from rendezvous.progress_file import is_report_name
 
 if TYPE_CHECKING:
     from agent.spec import RunnerSpec
@@ -62,8 +63,9 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     if spec.prior is not None:
         # This runner replaces one that died: its workers' progress files (a
         # higher restart count than ours will have) would hide our workers'.
-        for stale in progress_dir.glob("rank-*.json"):
-            stale.unlink(missing_ok=True)
+        for stale in progress_dir.glob("*"):
+            if is_report_name(stale.name):
+                stale.unlink(missing_ok=True)
     if job.cwd:
         enter_directory(job.cwd, what="working directory")
     if job.checkpoint_dir:

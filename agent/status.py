@@ -35,7 +35,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdError
+from rendezvous.progress_file import (
+    PROGRESS_FORMAT,
+    PROGRESS_VERSION,
+    ProgressReport,
+    is_report_name,
+)
 from rendezvous.records import JobNodeState, JobNodeStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -110,20 +116,6 @@ class ProgressSummary:
     total_steps: int | None = None
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _integer(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-#: checkpoints.progress.PROGRESS_FORMAT and the version it writes (that module
-#: imports torch, which the daemon never does; a unit test keeps them equal).
-PROGRESS_FORMAT = "tidal-progress"
-PROGRESS_VERSION = 1
 #: The most of a progress file read: a report is a few hundred bytes.
 PROGRESS_MAX_BYTES = 256 * 1024
 
@@ -143,7 +135,7 @@ def _warn_once(path: Path, reason: str) -> None:
     log.warning("skipping the progress file %s: %s", path, reason)
 
 
-def read_progress_file(name: str, directory_fd: int, path: Path) -> dict[str, Any] | None:
+def read_progress_file(name: str, directory_fd: int, path: Path) -> ProgressReport | None:
     """One rank's report, the file ``name`` in the open directory ``directory_fd``.
 
     The directory belongs to the workers (with ``--worker-user``, to another
@@ -189,14 +181,14 @@ def read_progress_file(name: str, directory_fd: int, path: Path) -> dict[str, An
     if not isinstance(data, dict):
         _warn_once(path, "not a JSON object")
         return None
-    if data.get("format") != PROGRESS_FORMAT or data.get("version") != PROGRESS_VERSION:
+    report = ProgressReport.from_json(data)
+    if report is None:
         _warn_once(path, f"not a {PROGRESS_FORMAT} report of version {PROGRESS_VERSION}")
-        return None
-    return data
+    return report
 
 
-def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
-    """Every rank's progress report (``rank-*.json``) in ``progress_dir``, as dicts.
+def read_progress_reports(progress_dir: Path) -> list[ProgressReport]:
+    """Every rank's progress report (``rank-*.json``) in ``progress_dir``.
 
     A missing directory gives none; a file that is not a report is skipped
     (:func:`read_progress_file`: both the runner's status thread and the
@@ -214,7 +206,7 @@ def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
     reports = []
     try:
         for name in sorted(os.listdir(directory_fd)):
-            if name.startswith("rank-") and name.endswith(".json"):
+            if is_report_name(name):
                 report = read_progress_file(name, directory_fd, progress_dir / name)
                 if report is not None:
                     reports.append(report)
@@ -225,29 +217,23 @@ def read_progress_reports(progress_dir: Path) -> list[dict[str, Any]]:
     return reports
 
 
-def _round(report: Mapping[str, Any]) -> int:
-    count = _integer(report.get("restart_count"))
-    return -1 if count is None else count
-
-
-def summarize_progress(reports: Iterable[Mapping[str, Any]]) -> ProgressSummary:
+def summarize_progress(reports: Iterable[ProgressReport]) -> ProgressSummary:
     """Fold rank reports into one :class:`ProgressSummary` (see there for the rules)."""
     every = list(reports)
     if not every:
         return ProgressSummary()
-    newest = max(_round(r) for r in every)
-    current = [r for r in every if _round(r) == newest]
-    steps = [s for r in current if (s := _integer(r.get("step"))) is not None]
-    rates = [v for r in current if (v := _number(r.get("samples_per_second"))) is not None]
-    losses = [v for r in current if (v := _number(r.get("loss"))) is not None]
-    times = [v for r in current if (v := _number(r.get("time"))) is not None]
-    firsts = [v for r in current if (v := _number(r.get("first_step_time"))) is not None]
-    sizes = [v for r in current if (v := _integer(r.get("world_size"))) is not None]
-    saved = [r for r in every if _number(r.get("last_checkpoint_time")) is not None
-             or _integer(r.get("last_checkpoint_step")) is not None]
-    latest = max(saved, key=lambda r: (_number(r.get("last_checkpoint_time")) or 0.0,
-                                       _integer(r.get("last_checkpoint_step")) or 0),
-                 default=None)
+    newest = max(r.round for r in every)
+    current = [r for r in every if r.round == newest]
+    steps = [r.step for r in current if r.step is not None]
+    rates = [r.samples_per_second for r in current if r.samples_per_second is not None]
+    losses = [r.loss for r in current if r.loss is not None]
+    times = [r.time for r in current if r.time is not None]
+    firsts = [r.first_step_time for r in current if r.first_step_time is not None]
+    sizes = [r.world_size for r in current if r.world_size is not None]
+    saved = [r for r in every
+             if r.last_checkpoint_time is not None or r.last_checkpoint_step is not None]
+    latest = max(saved, key=lambda r: (r.last_checkpoint_time or 0.0,
+                                       r.last_checkpoint_step or 0), default=None)
     return ProgressSummary(
         step=max(steps, default=None),
         samples_per_second=max(rates, default=None),
@@ -256,13 +242,13 @@ def summarize_progress(reports: Iterable[Mapping[str, Any]]) -> ProgressSummary:
         first_step_time=min(firsts, default=None),
         restart_count=None if newest < 0 else newest,
         world_size=max(sizes, default=None),
-        last_checkpoint_step=_integer(latest.get("last_checkpoint_step")) if latest else None,
-        last_checkpoint_time=_number(latest.get("last_checkpoint_time")) if latest else None,
-        last_save_seconds=_number(latest.get("last_save_seconds")) if latest else None,
-        last_stall_seconds=_number(latest.get("last_stall_seconds")) if latest else None,
-        save_failing=any(bool(r.get("last_save_error")) for r in current),
-        total_steps=max((t for r in current if (t := _integer(r.get("total_steps"))) is not None
-                         and t >= 0), default=None),
+        last_checkpoint_step=latest.last_checkpoint_step if latest else None,
+        last_checkpoint_time=latest.last_checkpoint_time if latest else None,
+        last_save_seconds=latest.last_save_seconds if latest else None,
+        last_stall_seconds=latest.last_stall_seconds if latest else None,
+        save_failing=any(bool(r.last_save_error) for r in current),
+        total_steps=max((t for r in current if (t := r.total_steps) is not None and t >= 0),
+                        default=None),
     )
 
 
@@ -550,18 +536,14 @@ class RoundSpan:
         return max(0.0, self.last_time - self.first_time - self.stall_s)
 
 
-def round_span(reports: Iterable[Mapping[str, Any]], round_: int) -> RoundSpan | None:
+def round_span(reports: Iterable[ProgressReport], round_: int) -> RoundSpan | None:
     """The span of round ``round_`` (a restart count) over its reports; None before a step."""
-    mine = [r for r in reports if _round(r) == round_]
-    def ints(key: str) -> list[int]:
-        return [v for r in mine if (v := _integer(r.get(key))) is not None]
-
-    def numbers(key: str) -> list[float]:
-        return [v for r in mine if (v := _number(r.get(key))) is not None]
-
-    firsts, lasts = ints("first_step"), ints("step")
-    first_times, last_times = numbers("first_step_time"), numbers("last_step_time")
-    stalls = numbers("stall_seconds_total")
+    mine = [r for r in reports if r.round == round_]
+    firsts = [r.first_step for r in mine if r.first_step is not None]
+    lasts = [r.step for r in mine if r.step is not None]
+    first_times = [r.first_step_time for r in mine if r.first_step_time is not None]
+    last_times = [r.last_step_time for r in mine if r.last_step_time is not None]
+    stalls = [r.stall_seconds_total for r in mine if r.stall_seconds_total is not None]
     if not (firsts and lasts and first_times and last_times):
         return None
     return RoundSpan(first_step=min(firsts), last_step=max(lasts), first_time=min(first_times),
@@ -766,9 +748,9 @@ class StatusReporter:
             self._write()
             self._write_metrics()
 
-    def _count_goodput(self, reports: list[dict[str, Any]]) -> None:
+    def _count_goodput(self, reports: list[ProgressReport]) -> None:
         """Credit each round's training time (less its checkpoint stalls) as it grows."""
-        for round_ in {_round(r) for r in reports}:
+        for round_ in {r.round for r in reports}:
             span = round_span(reports, round_)
             if span is None:
                 continue
@@ -785,7 +767,7 @@ class StatusReporter:
                 "lost_seconds": {k: round(v, 3) for k, v in data.lost_seconds.items()},
             })
 
-    def _finish_recovery(self, reports: list[dict[str, Any]]) -> None:
+    def _finish_recovery(self, reports: list[ProgressReport]) -> None:
         """End the pending recovery at the first step of the workers started for it."""
         with self._lock:
             recovery = self._recovery
@@ -793,14 +775,13 @@ class StatusReporter:
                 return
             firsts = [
                 t for r in reports
-                if _round(r) > recovery.baseline
-                and (t := _number(r.get("first_step_time"))) is not None
+                if r.round > recovery.baseline and (t := r.first_step_time) is not None
             ]
             if not firsts:
                 return
             seconds = max(0.0, min(firsts) - recovery.started)
             self._recovery = None
-            after = round_span(reports, max(_round(r) for r in reports))
+            after = round_span(reports, max(r.round for r in reports))
         if after is not None:
             losses = recovery_losses(before=recovery.before, after=after,
                                      noticed=recovery.started, rendezvous_s=recovery.rendezvous_s)

@@ -13,7 +13,7 @@ multiprocess files do.
 The per-step cost is a few attribute updates: a loss tensor is kept by
 reference and converted with ``.item()`` only when the file is written, so no
 step waits for the device. The file format is in docs/checkpoints.md; its
-fields are :data:`PROGRESS_FIELDS`.
+fields are :data:`PROGRESS_FIELDS`, its model :class:`rendezvous.progress_file.ProgressReport`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,20 @@ from typing import Any
 
 import torch
 
+from rendezvous import worker_env
+from rendezvous.progress_file import (
+    PROGRESS_FIELDS,
+    PROGRESS_FORMAT,
+    PROGRESS_VERSION,
+    ProgressReport,
+    file_name,
+)
+
 __all__ = [
     "PROGRESS_DIR_ENV",
     "PROGRESS_FIELDS",
     "PROGRESS_FORMAT",
+    "PROGRESS_VERSION",
     "FileProgressReporter",
     "NullProgressReporter",
     "ProgressReporter",
@@ -42,31 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROGRESS_DIR_ENV = "TIDAL_PROGRESS_DIR"
-PROGRESS_FORMAT = "tidal-progress"
-PROGRESS_FIELDS = (
-    "format",
-    "version",
-    "rank",
-    "world_size",
-    "pid",
-    "restart_count",
-    "time",
-    "first_step_time",
-    "step",
-    "samples_per_second",
-    "loss",
-    "last_checkpoint_step",
-    "last_checkpoint_time",
-    "last_save_seconds",
-    "last_stall_seconds",
-    "last_save_error",
-    "stop_requested",
-    "total_steps",
-    "first_step",
-    "last_step_time",
-    "stall_seconds_total",
-)
+PROGRESS_DIR_ENV = worker_env.PROGRESS_DIR
 
 
 class ProgressReporter(abc.ABC):
@@ -153,12 +139,10 @@ class FileProgressReporter(ProgressReporter):
         restart_count: int | None = None,
         interval: float = 1.0,
     ) -> None:
-        self.path = Path(directory) / f"rank-{rank}.json"
-        self._temp = self.path.with_name(f".rank-{rank}.json.tmp")
+        self.path = Path(directory) / file_name(rank)
+        self._temp = self.path.with_name(f".{file_name(rank)}.tmp")
         self._interval = interval
-        self._fixed = {
-            "format": PROGRESS_FORMAT,
-            "version": 1,
+        self._fixed: dict[str, Any] = {
             "rank": rank,
             "world_size": world_size,
             "pid": os.getpid(),
@@ -243,8 +227,8 @@ class FileProgressReporter(ProgressReporter):
         if rank == self._fixed["rank"] and world_size == self._fixed["world_size"]:
             return
         old = self.path
-        self.path = old.with_name(f"rank-{rank}.json")
-        self._temp = old.with_name(f".rank-{rank}.json.tmp")
+        self.path = old.with_name(file_name(rank))
+        self._temp = old.with_name(f".{file_name(rank)}.tmp")
         self._fixed.update(rank=rank, world_size=world_size)
         with contextlib.suppress(OSError):
             os.unlink(old)  # another local rank may take that name: it writes it again
@@ -274,7 +258,7 @@ class FileProgressReporter(ProgressReporter):
             stall_seconds_total=round(self._stall_total, 6),
         )
         body.update(self._checkpoint)
-        return body
+        return ProgressReport(**body).to_json()
 
     def _write(self, now: float) -> None:
         elapsed = now - self._window_start

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 
 from agent.status import RoundSpan, recovery_losses, round_span
+from rendezvous.progress_file import ProgressReport
 from rendezvous.records import JobNodeState, JobNodeStatus
 from service.cli_views import goodput_text
 from service.views import goodput_fields
 
 
 def report(round_: int, *, first: int, step: int, t0: float, t1: float,
-           stall: float = 0.0) -> dict[str, Any]:
-    return {"restart_count": round_, "first_step": first, "step": step,
-            "first_step_time": t0, "last_step_time": t1, "stall_seconds_total": stall}
+           stall: float = 0.0) -> ProgressReport:
+    return ProgressReport(restart_count=round_, first_step=first, step=step, first_step_time=t0,
+                          last_step_time=t1, stall_seconds_total=stall)
 
 
 def test_a_round_spans_its_ranks_first_to_last_step() -> None:
@@ -29,7 +29,7 @@ def test_a_round_spans_its_ranks_first_to_last_step() -> None:
     assert span.step_seconds == pytest.approx(3.0 / 29)
     assert span.productive_s == pytest.approx(2.8)
     assert round_span(reports, 2) is None
-    assert round_span([{"restart_count": 3, "step": 5}], 3) is None  # an old worker's report
+    assert round_span([ProgressReport(restart_count=3, step=5)], 3) is None  # an old worker's
 
 
 def test_a_recovery_splits_into_detection_rendezvous_restart_and_steps_redone() -> None:

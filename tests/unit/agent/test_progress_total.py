@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.status import summarize_progress
 from checkpoints.progress import FileProgressReporter, NullProgressReporter
+from rendezvous.progress_file import ProgressReport
 
 
 def test_the_total_is_reported_and_summarized_with_the_newest_round(tmp_path: Path) -> None:
@@ -18,7 +19,8 @@ def test_the_total_is_reported_and_summarized_with_the_newest_round(tmp_path: Pa
     report = json.loads((tmp_path / "rank-0.json").read_text())
     assert report["total_steps"] == 1000
     stale = {**report, "restart_count": 0, "total_steps": 5000}
-    summary = summarize_progress([report, stale, {**report, "total_steps": "x"}])
+    reports = [ProgressReport.from_json(r) for r in (report, stale, {**report, "total_steps": "x"})]
+    summary = summarize_progress([r for r in reports if r is not None])
     assert (summary.total_steps, summary.step, summary.loss) == (1000, 7, 0.5)
     reporter.set_total_steps(-3)
     reporter.flush()

@@ -48,9 +48,7 @@ def test_files_of_an_older_round_are_ignored_for_step_rate_and_loss(tmp_path: Pa
     report(tmp_path, 2, restart_count=0, step=90, samples_per_second=99.0, loss=9.0, time=50.0)
     report(tmp_path, 0, restart_count=1, step=80, samples_per_second=10.0, loss=1.0, time=60.0,
            first_step_time=55.0, world_size=2)
-    summary = summarize_progress(
-        json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))
-    )
+    summary = summarize_progress(read_progress_reports(tmp_path))
     assert (summary.step, summary.samples_per_second, summary.loss) == (80, 10.0, 1.0)
     assert (summary.restart_count, summary.world_size) == (1, 2)
     assert (summary.progress_time, summary.first_step_time) == (60.0, 55.0)
@@ -61,9 +59,7 @@ def test_the_newest_checkpoint_counts_whichever_round_saved_it(tmp_path: Path) -
     report(tmp_path, 0, restart_count=0, step=40, last_checkpoint_step=40,
            last_checkpoint_time=400.0, last_save_seconds=2.0, last_stall_seconds=0.1)
     report(tmp_path, 1, restart_count=1, step=45)
-    summary = summarize_progress(
-        json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")
-    )
+    summary = summarize_progress(read_progress_reports(tmp_path))
     assert (summary.last_checkpoint_step, summary.last_checkpoint_time) == (40, 400.0)
     assert (summary.last_save_seconds, summary.last_stall_seconds) == (2.0, 0.1)
     assert read_progress(tmp_path) == {"last_step": 45, "last_checkpoint_step": 40}
@@ -72,7 +68,7 @@ def test_the_newest_checkpoint_counts_whichever_round_saved_it(tmp_path: Path) -
 def test_losses_are_averaged_and_the_rate_is_the_largest_rank_estimate(tmp_path: Path) -> None:
     report(tmp_path, 0, step=5, loss=1.0, samples_per_second=100.0)
     report(tmp_path, 1, step=5, loss=3.0, samples_per_second=110.0, last_save_error="disk full")
-    summary = summarize_progress(json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json"))
+    summary = summarize_progress(read_progress_reports(tmp_path))
     assert summary.loss == 2.0 and summary.samples_per_second == 110.0
     assert summary.save_failing
 
@@ -82,20 +78,24 @@ def test_half_written_or_foreign_files_are_skipped(tmp_path: Path) -> None:
     (tmp_path / "rank-1.json").write_text('[1, 2]')
     report(tmp_path, 2, step=True)  # a bool is not a step
     reports = read_progress_reports(tmp_path)
-    assert [r["rank"] for r in reports] == [2]
+    assert [r.rank for r in reports] == [2]
     assert summarize_progress(reports).step is None
     assert read_progress(tmp_path) == {"last_step": None, "last_checkpoint_step": None}
 
 
-def test_the_reader_knows_the_writers_format(tmp_path: Path) -> None:
-    assert PROGRESS_FORMAT == progress_writer.PROGRESS_FORMAT
+def test_the_reader_reads_every_field_the_writer_writes(tmp_path: Path) -> None:
     writer = FileProgressReporter(tmp_path, rank=3, world_size=4, restart_count=2)
     writer.record(step=7, loss=0.5, samples=8)
+    writer.set_total_steps(100)
+    writer.checkpoint_saved(step=5, wall_time=1000.0, save_seconds=0.5, stall_seconds=0.1)
     writer.flush()
+    raw = json.loads((tmp_path / "rank-3.json").read_text())
+    assert (raw["format"], raw["version"]) == (PROGRESS_FORMAT, PROGRESS_VERSION)
+    assert list(raw) == list(progress_writer.PROGRESS_FIELDS)
     (written,) = read_progress_reports(tmp_path)
-    assert written["version"] == PROGRESS_VERSION
-    assert set(written) == set(progress_writer.PROGRESS_FIELDS)
-    assert (written["rank"], written["step"], written["restart_count"]) == (3, 7, 2)
+    assert written.to_json() == raw  # nothing the writer wrote is lost or retyped
+    assert (written.rank, written.step, written.restart_count) == (3, 7, 2)
+    assert (written.last_checkpoint_step, written.total_steps) == (5, 100)
 
 
 def test_reports_of_another_format_or_version_are_skipped(tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_reports_of_another_format_or_version_are_skipped(tmp_path: Path) -> Non
     report(tmp_path, 1, step=6, format="something-else")
     report(tmp_path, 2, step=7, version=2)
     (tmp_path / "rank-3.json").write_text(json.dumps({"rank": 3, "step": 8}))
-    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+    assert [r.rank for r in read_progress_reports(tmp_path)] == [0]
 
 
 def test_a_symlinked_progress_file_is_not_followed_and_warned_about_once(
@@ -119,7 +119,7 @@ def test_a_symlinked_progress_file_is_not_followed_and_warned_about_once(
     report(progress, 0, step=5)
     (progress / "rank-1.json").symlink_to(secret)
     for _ in range(3):  # every tick or scrape reads again; one warning in all
-        assert [r["rank"] for r in read_progress_reports(progress)] == [0]
+        assert [r.rank for r in read_progress_reports(progress)] == [0]
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [f"skipping the progress file {progress}/rank-1.json: a symbolic link"]
 
@@ -140,7 +140,7 @@ def test_a_fifo_is_skipped_without_blocking(
     os.mkdir(tmp_path / "rank-2.json")
     report(tmp_path, 0, step=5)
     started = time.monotonic()
-    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+    assert [r.rank for r in read_progress_reports(tmp_path)] == [0]
     assert time.monotonic() - started < 5
     assert "rank-1.json: not a regular file" in caplog.text
     assert "rank-2.json: not a regular file" in caplog.text
@@ -155,7 +155,7 @@ def test_a_huge_progress_file_is_not_read(
     with open(tmp_path / "rank-2.json", "wb") as sparse:  # 1 TiB that takes no disk
         sparse.truncate(1 << 40)
     report(tmp_path, 0, step=5)
-    assert [r["rank"] for r in read_progress_reports(tmp_path)] == [0]
+    assert [r.rank for r in read_progress_reports(tmp_path)] == [0]
     assert f"rank-1.json: larger than {PROGRESS_MAX_BYTES} bytes" in caplog.text
     assert f"rank-2.json: larger than {PROGRESS_MAX_BYTES} bytes" in caplog.text
 
