@@ -46,6 +46,7 @@ from checkpoints.errors import (
     CheckpointStateError,
     CheckpointWriteError,
 )
+from checkpoints.files import use_direct_io
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
 from checkpoints.live import (
     EXIT_LEFT,
@@ -67,7 +68,7 @@ from checkpoints.state import (
     load_replicated,
     write_replicated,
 )
-from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest, use_direct_io
+from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest
 
 __all__ = ["Checkpointer", "Resume", "SaveRecord"]
 

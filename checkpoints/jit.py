@@ -70,8 +70,9 @@ import torch
 import torch.distributed as dist
 
 from checkpoints.errors import CheckpointError
+from checkpoints.files import CheckpointFileWriter
 from checkpoints.state import write_replicated
-from checkpoints.storage import CheckpointFileWriter, CheckpointStore, jit_name
+from checkpoints.storage import CheckpointStore, jit_name
 
 __all__ = [
     "JIT_ENV",

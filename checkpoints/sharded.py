@@ -40,15 +40,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoints.errors import CheckpointCorruptError, CheckpointStateError
+from checkpoints.files import file_crc32, open_for_checkpoint
 from checkpoints.state import safe_torch_load
-from checkpoints.storage import (
-    MANIFEST_NAME,
-    CheckpointStore,
-    FileEntry,
-    Manifest,
-    file_crc32,
-    open_for_checkpoint,
-)
+from checkpoints.storage import MANIFEST_NAME, CheckpointStore, FileEntry, Manifest
 
 __all__ = [
     "REPLICATED_FILE",

@@ -27,13 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from checkpoints.errors import CheckpointCorruptError, CheckpointStateError, CheckpointWriteError
-from checkpoints.storage import (
-    CheckpointFileWriter,
-    CheckpointStore,
-    FileEntry,
-    Manifest,
-    open_for_checkpoint,
-)
+from checkpoints.files import CheckpointFileWriter, open_for_checkpoint
+from checkpoints.storage import CheckpointStore, FileEntry, Manifest
 
 __all__ = [
     "STATE_FILE",

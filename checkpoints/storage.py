@@ -24,58 +24,40 @@ Verification re-reads every file the manifest lists and compares its size and
 CRC-32: truncation, zeroed blocks and missing files are all caught, and the
 reason names the file.
 
-Files are written with direct I/O (``O_DIRECT``) where the filesystem allows
-it: writing hundreds of MB through the page cache costs the writing thread
-most of a second of kernel CPU per save on a VM where fresh memory is
-expensive to touch, CPU that comes out of training on a machine with few
-cores; direct writes from one small reused buffer cost a few hundredths of
-that (see :class:`DirectWriter`, and docs/benchmarks.md for the figures).
+Each file is written through :func:`checkpoints.files.open_for_checkpoint`
+(direct I/O, checksummed on the way).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import contextvars
 import dataclasses
-import errno
-import fcntl
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from checkpoints.errors import CheckpointCorruptError, CheckpointWriteError
+from checkpoints.files import file_crc32, fsync_dir
 
 __all__ = [
     "FENCE_NAME",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
-    "STAGING_BYTES",
     "Candidate",
-    "CheckpointFileWriter",
     "CheckpointStore",
-    "ChecksumWriter",
-    "DirectWriter",
     "Fence",
     "FileEntry",
     "Manifest",
     "checkpoint_name",
-    "file_crc32",
-    "fsync_dir",
     "jit_name",
-    "open_for_checkpoint",
     "order_candidates",
-    "use_direct_io",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,18 +68,6 @@ MANIFEST_VERSION = 1
 _FINAL = re.compile(r"^step-(\d{10,})$")
 _JIT = re.compile(r"^jit-(\d{10,})-e(\d{8,})-r(\d{5,})$")
 FENCE_NAME = ".fence.json"
-_CHUNK = 8 << 20
-#: Bytes of each direct write (a multiple of any block size O_DIRECT asks for).
-STAGING_BYTES = 8 << 20
-#: Offsets and lengths of direct writes are multiples of this (the page size,
-#: which no common device's logical block size exceeds).
-_ALIGN = mmap.PAGESIZE
-#: 0 where the platform has no direct I/O (macOS): files are then always buffered.
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-#: Whether open_for_checkpoint writes with direct I/O, in this thread or task.
-_DIRECT_IO: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "tidal_checkpoint_direct_io", default=True
-)
 
 
 def checkpoint_name(step: int) -> str:
@@ -112,218 +82,6 @@ def jit_name(step: int, *, epoch: int, rank: int) -> str:
     if step < 0 or epoch < 0 or rank < 0:
         raise ValueError(f"step ({step}), epoch ({epoch}) and rank ({rank}) must not be negative")
     return f"jit-{step:010d}-e{epoch:08d}-r{rank:05d}"
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so that renames and new entries in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def file_crc32(path: Path) -> tuple[int, int]:
-    """Return ``(size, crc32)`` of a file, read in chunks."""
-    crc = 0
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
-
-
-class CheckpointFileWriter(abc.ABC):
-    """A write-only file object for ``torch.save`` that checksums what passes through.
-
-    The contract: :meth:`write` takes bytes or a memoryview, folds it into
-    ``crc32`` and ``size`` and returns its length; the caller may reuse the
-    memory as soon as it returns. :meth:`flush` may be called at any time and
-    promises nothing about the disk. Only :meth:`finish`, called once after the
-    last write, makes the file complete and durable (fsynced). ``crc32`` and
-    ``size`` describe exactly the bytes of the file, whichever way they went to
-    disk. Writers are made by :func:`open_for_checkpoint`.
-    """
-
-    def __init__(self) -> None:
-        self.crc32 = 0
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        """Write ``data`` and fold it into the checksum.
-
-        Raises:
-            OSError: when the file cannot be written (disk full, ...).
-        """
-        view = memoryview(data).cast("B")
-        self.crc32 = zlib.crc32(view, self.crc32)
-        self.size += len(view)
-        self._write(view)
-        return len(view)
-
-    @abc.abstractmethod
-    def flush(self) -> None:
-        """Pass on what is buffered, as far as the writer can (``torch.save`` calls it)."""
-
-    @abc.abstractmethod
-    def _write(self, view: memoryview) -> None:
-        """Write the bytes of ``view`` (a flat byte view) after everything written so far."""
-
-    @abc.abstractmethod
-    def finish(self) -> None:
-        """Write whatever is still pending, then fsync the file.
-
-        Raises:
-            OSError: when a write or the fsync fails.
-        """
-
-
-class ChecksumWriter(CheckpointFileWriter):
-    """Writes through the page cache (a buffered file object).
-
-    ``torch.save`` writes each tensor storage with one ``write`` of a
-    memoryview, so hashing here costs one pass over the data and no copy.
-    """
-
-    def __init__(self, file: BinaryIO) -> None:
-        super().__init__()
-        self._file = file
-
-    def _write(self, view: memoryview) -> None:
-        self._file.write(view)
-
-    def flush(self) -> None:
-        """Flush the file object into the page cache."""
-        self._file.flush()
-
-    def finish(self) -> None:
-        """Flush the file object, then fsync."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-
-class DirectWriter(CheckpointFileWriter):
-    """Writes with ``O_DIRECT`` from an aligned staging buffer, bypassing the page cache.
-
-    Direct I/O needs the memory address, the length and the file offset of
-    each write to be multiples of the device's block size, which the data
-    ``torch.save`` hands over never are. So every write is copied into
-    ``staging`` (page-aligned, reused from file to file; memcpy costs a few ms
-    per hundred MB, the page cache costs about a second of kernel CPU), and
-    each time it fills up it goes to disk in one direct write. The last,
-    partial block cannot be written directly: :meth:`finish` writes the
-    aligned part directly, clears ``O_DIRECT`` and writes the rest through the
-    page cache, then fsyncs (direct writes skip the page cache, not the
-    device's cache nor the file's metadata).
-
-    If the filesystem refuses a direct write (``EINVAL``: a larger block size,
-    a filesystem with its own rules), the writer clears ``O_DIRECT`` and goes on
-    through the page cache; nothing is lost, and the file is the same.
-
-    Args:
-        fd: a file descriptor open for writing at offset 0, with ``O_DIRECT`` set.
-        staging: a writable buffer; its length is the size of each direct write
-            and a multiple of the block size, and its address is aligned.
-        path: the file's path, for log lines.
-
-    Attributes:
-        direct: whether ``O_DIRECT`` is still on (False after a fallback or the tail).
-    """
-
-    def __init__(self, fd: int, staging: memoryview, *, path: Path) -> None:
-        super().__init__()
-        self._fd = fd
-        self._staging = staging
-        self._path = path
-        self._filled = 0
-        self.direct = True
-
-    def _write(self, view: memoryview) -> None:
-        capacity = len(self._staging)
-        offset = 0
-        while offset < len(view):
-            # In pieces: a 300 MB storage never becomes one 300 MB bytes object.
-            take = min(len(view) - offset, capacity - self._filled)
-            self._staging[self._filled : self._filled + take] = view[offset : offset + take]
-            self._filled += take
-            offset += take
-            if self._filled == capacity:
-                self._write_out(self._staging)
-                self._filled = 0
-
-    def flush(self) -> None:
-        """Nothing: staged bytes short of a whole buffer cannot be written directly yet."""
-
-    def finish(self) -> None:
-        """Write the staged rest (aligned part direct, the tail buffered), then fsync."""
-        aligned = self._filled - self._filled % _ALIGN
-        if aligned and self.direct:
-            self._write_out(self._staging[:aligned])
-        else:
-            aligned = 0
-        if self._filled > aligned:
-            self._clear_direct(None)  # the tail is not a whole block
-            self._write_out(self._staging[aligned : self._filled])
-        self._filled = 0
-        os.fsync(self._fd)
-
-    def _write_out(self, view: memoryview) -> None:
-        while view:
-            try:
-                written = os.write(self._fd, view)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise
-                self._clear_direct(f"a direct write was refused ({exc})")
-                continue
-            view = view[written:]
-
-    def _clear_direct(self, reason: str | None) -> None:
-        """Go on through the page cache; ``reason`` (a fallback, not the tail) is logged."""
-        if not self.direct:
-            return
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-        self.direct = False
-        if reason is not None:
-            log.warning("writing %s through the page cache: %s", self._path, reason)
-
-
-class _StagingPool:
-    """Page-aligned staging buffers for direct writes, kept from one file to the next.
-
-    A fresh buffer is page-faulted in by its first use; keeping it makes every
-    later save copy into memory that is already mapped. One buffer serves the
-    usual one save at a time; a concurrent writer gets a buffer of its own,
-    and at most ``keep`` buffers are kept.
-    """
-
-    def __init__(self, size: int, *, keep: int = 2) -> None:
-        self._size, self._keep = size, keep
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[memoryview]:
-        """A buffer for the duration of the block."""
-        with self._lock:
-            # Anonymous mmap: page-aligned. Private: a forked child gets its own copy.
-            buffer = self._free.pop() if self._free else mmap.mmap(-1, self._size, mmap.MAP_PRIVATE)
-        try:
-            with memoryview(buffer) as view:
-                yield view
-        finally:
-            with self._lock:
-                if len(self._free) < self._keep:
-                    self._free.append(buffer)
-            # A buffer not kept is unmapped when the last view of it is gone; closing
-            # it here could fail while a traceback still holds a slice of it.
-
-
-_STAGING = _StagingPool(STAGING_BYTES)
-#: Devices (st_dev) whose filesystem refused O_DIRECT: said once per process, not per save.
-_NO_DIRECT_IO: set[int] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -708,72 +466,3 @@ def _check_content(path: Path, name: str, entry: FileEntry, *, size: int, crc: i
         raise CheckpointCorruptError(
             path, name, f"its CRC-32 is {crc:08x} but the manifest says {entry.crc32:08x}"
         )
-
-
-@contextlib.contextmanager
-def use_direct_io(enabled: bool) -> Iterator[None]:
-    """Within the block, :func:`open_for_checkpoint` writes directly (True, the default) or not.
-
-    A context variable, so it applies to the thread (or asyncio task) that
-    enters the block only: a checkpointer's writer thread sets it for its own
-    saves without touching any other.
-    """
-    token = _DIRECT_IO.set(enabled)
-    try:
-        yield
-    finally:
-        _DIRECT_IO.reset(token)
-
-
-@contextlib.contextmanager
-def open_for_checkpoint(path: Path) -> Iterator[CheckpointFileWriter]:
-    """Create ``path``, yield a checksumming writer, then write the rest and fsync the file.
-
-    With direct I/O on (see :func:`use_direct_io`) and a filesystem that supports
-    it, the writer is a :class:`DirectWriter`; otherwise, or when the
-    filesystem refuses ``O_DIRECT`` (tmpfs before Linux 6.6, ramfs, some FUSE
-    and network filesystems), a :class:`ChecksumWriter`, with one warning per
-    filesystem. The file is created without ``O_DIRECT`` and switched to it
-    with ``fcntl``: an ``open`` with ``O_DIRECT`` that the filesystem refuses
-    has already created the file.
-
-    Raises:
-        OSError: when the file exists, or cannot be created or written.
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        if not (_DIRECT_IO.get() and _set_direct(fd, path)):
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                buffered = ChecksumWriter(f)
-                yield buffered
-                buffered.finish()
-            return
-        with _STAGING.borrow() as staging:
-            direct = DirectWriter(fd, staging, path=path)
-            yield direct
-            direct.finish()
-    finally:
-        os.close(fd)
-
-
-def _set_direct(fd: int, path: Path) -> bool:
-    """Turn on O_DIRECT for ``fd``; False (said once per filesystem) where it is refused."""
-    if not _O_DIRECT:
-        return False
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        device = os.fstat(fd).st_dev
-        if device not in _NO_DIRECT_IO:
-            _NO_DIRECT_IO.add(device)
-            log.warning(
-                "the filesystem of %s refuses direct I/O (%s): checkpoints are written "
-                "through the page cache there",
-                path.parent,
-                exc,
-            )
-        return False
-    return True

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import checkpoints as ck
+from checkpoints.files import file_crc32
 from checkpoints.sharded import SafeFileSystemReader
-from checkpoints.storage import MANIFEST_NAME, CheckpointStore, FileEntry, Manifest, file_crc32
+from checkpoints.storage import MANIFEST_NAME, CheckpointStore, FileEntry, Manifest
 
 
 def make_job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import checkpoints as ck
-from checkpoints.storage import (
+from checkpoints.files import (
     STAGING_BYTES,
     CheckpointFileWriter,
     ChecksumWriter,

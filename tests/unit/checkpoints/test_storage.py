@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from checkpoints.errors import CheckpointCorruptError
+from checkpoints.files import open_for_checkpoint
 from checkpoints.storage import (
     MANIFEST_NAME,
     CheckpointStore,
     FileEntry,
     Manifest,
     checkpoint_name,
-    open_for_checkpoint,
 )
 
 
