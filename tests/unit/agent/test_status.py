@@ -224,26 +224,34 @@ def make_reporter(tmp_path: Path, client: FakeEtcd) -> StatusReporter:
                           metrics_path=tmp_path / "metrics.json", min_interval_s=0.05)
 
 
+def _first_step_time(progress: Path, rank: int) -> float:
+    return float(json.loads((progress / f"rank-{rank}.json").read_text())["first_step_time"])
+
+
+def _last_step(client: FakeEtcd) -> int | None:
+    try:
+        return client.status("j", "n").last_step
+    except KeyError:
+        return None
+
+
 def test_a_recovery_lasts_from_the_notice_to_the_first_step_of_the_new_workers(
     tmp_path: Path,
 ) -> None:
     client = FakeEtcd()
     reporter = make_reporter(tmp_path, client).start()
+    progress = tmp_path / "progress"
     try:
-        old = FileProgressReporter(tmp_path / "progress", rank=1, world_size=3, restart_count=0,
-                                   interval=0.0)
+        old = FileProgressReporter(progress, rank=1, world_size=3, restart_count=0, interval=0.0)
         old.record(step=10)
-        reporter.recovery_noticed(restart_count=0)
-        noticed = time.time()
+        noticed = time.time() - 0.5  # noticed half a second ago: no need to wait that long
+        reporter.recovery_noticed(restart_count=0, at=noticed)
         reporter.count_restart(RestartReason.NODE_LOST)
         old.record(step=11)  # a worker of the old group, still writing: not a recovery
-        time.sleep(0.3)
-        assert read_runner_metrics(tmp_path / "metrics.json").recovery_seconds == {}
-        time.sleep(0.2)
-        new = FileProgressReporter(tmp_path / "progress", rank=0, world_size=2, restart_count=1,
-                                   interval=0.0)
+        wait_for(lambda: _last_step(client) == 11, timeout=5,
+                 what="the reporter reading the old worker's step")
+        new = FileProgressReporter(progress, rank=0, world_size=2, restart_count=1, interval=0.0)
         new.record(step=8)
-        stepped = time.time()
         data = wait_for(
             lambda: (m := read_runner_metrics(tmp_path / "metrics.json")) and m.recovery_seconds
             and m, timeout=5, what="the recovery in the metrics file")
@@ -251,7 +259,8 @@ def test_a_recovery_lasts_from_the_notice_to_the_first_step_of_the_new_workers(
         reporter.close()
     hist = data.recovery_seconds["node_lost"]
     assert hist.count == 1 and hist.bounds == list(RECOVERY_BUCKETS)
-    assert 0.5 <= hist.sum <= stepped - noticed + 0.05
+    # It ended at the new worker's first step, not at the old worker's step 11.
+    assert hist.sum == pytest.approx(_first_step_time(progress, 0) - noticed, abs=1e-3)
     assert data.restarts == {"node_lost": 1}
     status = client.status("j", "n")
     assert status.last_recovery_seconds == pytest.approx(hist.sum)
@@ -263,24 +272,28 @@ def test_a_second_notice_before_the_workers_resume_extends_the_same_recovery(
 ) -> None:
     client = FakeEtcd()
     reporter = make_reporter(tmp_path, client).start()
+    progress = tmp_path / "progress"
     try:
-        reporter.recovery_noticed(restart_count=0)
+        noticed = time.time() - 0.4
+        reporter.recovery_noticed(restart_count=0, at=noticed)
         reporter.count_restart(RestartReason.WORKER_FAILED)
-        time.sleep(0.2)
         reporter.recovery_noticed(restart_count=1)  # the restarted group failed too
         reporter.count_restart(RestartReason.NODE_LOST)
-        FileProgressReporter(tmp_path / "progress", rank=0, world_size=1, restart_count=1,
+        FileProgressReporter(progress, rank=0, world_size=1, restart_count=1,
                              interval=0.0).record(step=1)  # the group that failed: not it
-        time.sleep(0.2)
-        FileProgressReporter(tmp_path / "progress", rank=0, world_size=1, restart_count=2,
-                             interval=0.0).record(step=1)
+        wait_for(lambda: _last_step(client) == 1, timeout=5,
+                 what="the reporter reading the failed group's step")
+        FileProgressReporter(progress, rank=0, world_size=1, restart_count=2,
+                             interval=0.0).record(step=2)
         data = wait_for(
             lambda: (m := read_runner_metrics(tmp_path / "metrics.json")) and m.recovery_seconds
             and m, timeout=5, what="the recovery in the metrics file")
     finally:
         reporter.close()
     assert list(data.recovery_seconds) == ["worker_failed"]  # the reason of the first restart
-    assert data.recovery_seconds["worker_failed"].sum >= 0.4
+    # From the first notice to the first step of the group that did not fail.
+    assert data.recovery_seconds["worker_failed"].sum == pytest.approx(
+        _first_step_time(progress, 0) - noticed, abs=1e-3)
     assert data.restarts == {"worker_failed": 1, "node_lost": 1}
 
 
