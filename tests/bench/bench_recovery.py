@@ -781,7 +781,7 @@ def pause_around(taken: list[Step], change: Change) -> tuple[float, int]:
         return math.inf, 0
     window = [s for s in zero if before[-1].time <= s.time <= after[-1].time]
     gaps = [b.time - a.time for a, b in itertools.pairwise(window)]
-    seen = {s.step for s in zero if s.time < before[-1].time}
+    seen = {s.step for s in zero if s.time <= before[-1].time}
     return max(gaps, default=math.inf), sum(s.step in seen for s in window[1:])
 
 
