@@ -177,7 +177,7 @@ def _assignments(client: EtcdClient, job_id: str) -> dict[str, Assignment]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_new_bounds_alone_restart_no_runner_and_no_worker(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
 ) -> None:
