@@ -8,7 +8,8 @@
   lets the released node join again, the runners that stayed going on;
 * new bounds that change no membership (min 2 -> 1, max 2 -> 4 with only two
   agents) restart nothing: the same runner and worker processes train on; the
-  runners follow the new maximum, so a third agent joins without restarting them;
+  runners follow the new bounds: a third agent joins without restarting them,
+  and one node goes on alone under the new minimum;
 * the coordinator is SIGKILLed mid-job: training goes on, and the restarted
   coordinator shows the same job, on the same nodes, without rescheduling it.
 """
@@ -183,7 +184,8 @@ def test_new_bounds_alone_restart_no_runner_and_no_worker(
 ) -> None:
     """Only two agents exist, so min 2 -> 1 and max 2 -> 4 change no membership: both
     assignments are rewritten in place at their generations and every process goes on.
-    A third agent then joins under the new maximum, without a runner restart."""
+    A third agent then joins under the new maximum, and after two nodes die the first
+    goes on alone under the new minimum, without a runner restart."""
     coordinator, agents = cluster
     api = coordinator.client()
     for node in _PAIR:
@@ -231,6 +233,12 @@ def test_new_bounds_alone_restart_no_runner_and_no_worker(
         assert kept == runners
         assert {n: a.generation for n, a in _assignments(etcd_client, job_id).items()} \
             == generations
+
+        # And the new minimum: a, started with min 2, goes on alone.
+        agents.kill_agent("b")
+        agents.kill_agent("c")
+        wait_for(lambda: _running_at(api, job_id, 1), timeout=120, what="RUNNING alone on a")
+        assert statuses(etcd_client, job_id)["a"].pid == runners["a"]
     except Exception:
         print(agents.log_tails())
         raise
