@@ -24,7 +24,7 @@ no timers. Layout, under ``P/rdzv/<job>/assigned/``::
     closed         present once the job ended (``shutdown``)
 
 and each round gets a fresh c10d store at ``P/rdzv/<job>/store/<round>/``
-(:class:`~rendezvous.torch_backend.EtcdV3Store`).
+(:class:`~rendezvous.etcd_store.EtcdV3Store`).
 
 A round's members learn that it is obsolete through :meth:`pending_change`:
 a member was lost (its lease ended, its liveness connection dropped, or it
@@ -72,11 +72,11 @@ from torch.distributed.elastic.rendezvous import (
 
 from rendezvous.client import Compare, Delete, EtcdClient, Put, WatchEvent
 from rendezvous.errors import EtcdError
+from rendezvous.etcd_store import EtcdV3Store
 from rendezvous.keys import Keys, validate_id
 from rendezvous.lease import LeaseKeeper
 from rendezvous.liveness import LivenessServer, PeerMonitor, Probe, probe
 from rendezvous.records import Assignment
-from rendezvous.torch_backend import EtcdV3Store
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)

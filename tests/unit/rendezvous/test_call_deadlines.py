@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rendezvous.errors import EtcdAuthError, EtcdUnavailableError
-from rendezvous.torch_backend import (
-    DEFAULT_RDZV_CONF,
-    MIN_CALL_TIMEOUT_S,
-    _ride_out_outage,
-    liveness_call_timeout,
-)
+from rendezvous.etcd_store import ride_out_outage
+from rendezvous.torch_backend import DEFAULT_RDZV_CONF, MIN_CALL_TIMEOUT_S, liveness_call_timeout
 
 
 def test_tidals_default_liveness_window_gives_state_calls_one_second() -> None:
@@ -34,7 +30,7 @@ def test_each_retry_gets_twice_the_previous_deadline() -> None:
             raise EtcdUnavailableError("no answer")
         return "done"
 
-    assert _ride_out_outage("a test", call, grace_s=30, call_timeout_s=0.5) == "done"
+    assert ride_out_outage("a test", call, grace_s=30, call_timeout_s=0.5) == "done"
     assert deadlines == [0.5, 1.0, 2.0, 4.0]
 
 
@@ -47,7 +43,7 @@ def test_without_a_deadline_every_attempt_uses_the_clients() -> None:
             raise EtcdUnavailableError("no answer")
         return "done"
 
-    assert _ride_out_outage("a test", call, grace_s=30) == "done"
+    assert ride_out_outage("a test", call, grace_s=30) == "done"
     assert deadlines == [None, None]
 
 
@@ -59,5 +55,5 @@ def test_errors_other_than_unavailability_are_not_retried() -> None:
         raise EtcdAuthError("refused")
 
     with pytest.raises(EtcdAuthError):
-        _ride_out_outage("a test", call, grace_s=30, call_timeout_s=1.0)
+        ride_out_outage("a test", call, grace_s=30, call_timeout_s=1.0)
     assert calls == [1.0]
