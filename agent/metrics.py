@@ -65,8 +65,10 @@ from rendezvous.records import JobNodeState, JobNodeStatus, RestartReason
 log = logging.getLogger(__name__)
 
 # Every reason a worker group restarts on a node: the runner's (worker failed,
-# node lost or joined, both at once) and the daemon's (the user changed the
-# job's bounds: a new generation replaces the runner). Each job's counter
+# node lost or joined, both at once) and the daemon's (the job got a new
+# generation on this node, e.g. a minimum raised above what its nodes reach:
+# a new runner replaces the old one; new bounds alone are written in place and
+# restart nothing). Each job's counter
 # starts at zero for every reason, so increase() sees the first restart.
 SCALED = "scaled"
 RESTART_REASONS: tuple[str, ...] = (*(r.value for r in RestartReason), SCALED)

@@ -65,8 +65,9 @@ class Assignment(BaseModel):
     ``assignments/<node>/<job>``, read by that node's agent.
 
     ``generation`` changes whenever the coordinator wants the job restarted on
-    this node with new settings; an agent never reruns a generation that
-    already finished here.
+    this node; an agent never reruns a generation that already finished here.
+    New bounds (``min_nodes``/``max_nodes``) are written into the assignment in
+    place, at its generation: the running runner follows them (agent.bounds).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
