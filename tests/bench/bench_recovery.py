@@ -798,8 +798,8 @@ def measure_planned(workdir: Path, procs: ProcessGroupRegistry, etcd: EtcdServer
         done: list[Change] = []
         try:
             job_id = start_job(api, agents, workdir,
-                               mlp_spec(workdir, live=live, total_steps=1_000_000))
-            planned_changes(api, agents, client, workdir, job_id, done)
+                               mlp_spec(workdir, live=live, total_steps=1_000_000), spares=("c",))
+            planned_changes(api, agents, client, workdir, job_id, done, cold=True)
         except TimeoutError as exc:
             out.notes.append(str(exc))
         finally:
