@@ -58,6 +58,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from agent import rundir
 from agent.admission import AssignmentGate
 from agent.bounds import take_over
 from agent.gpu_metrics import GpuCollector
@@ -79,6 +80,7 @@ from agent.spec import (
 from agent.supervise import Action, after_exit
 from agent.workeruser import ENV_WORKER_USER, lookup, private_dir
 from agent.zygote import TITLE_ROOM
+from rendezvous import worker_env
 from rendezvous.client import EtcdClient, KeyValue, WatchEvent, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.records import (
@@ -487,7 +489,7 @@ class Agent:
                 reported = JobNodeStatus.model_validate_json(kv.value) if kv else None
             except ValidationError as exc:
                 log.error("ignoring the malformed status of %s: %s", job_id, exc)
-        log_path = exited.log_path or self._job_dir(assignment) / "runner.log"
+        log_path = exited.log_path or self._job_dir(assignment) / rundir.RUNNER_LOG
         aftermath = after_exit(
             assignment=assignment, node_id=self.settings.node_id, pid=exited.pid,
             code=exited.code, stopping=stopping, reported=reported, outcome=exited.outcome,
@@ -509,7 +511,8 @@ class Agent:
             self.state.finished[job_id] = (assignment.generation, exited.code)
 
     def _job_dir(self, assignment: Assignment) -> Path:
-        return self.settings.run_dir / "jobs" / assignment.job_id / f"gen-{assignment.generation}"
+        return rundir.generation_dir(self.settings.run_dir, assignment.job_id,
+                                     assignment.generation)
 
     def _start_runner(self, assignment: Assignment, prior: JobNodeStatus | None = None) -> None:
         """Start (or hand the warm runner) ``assignment``; a failure to start counts as a crash.
@@ -564,10 +567,10 @@ class Agent:
             prior=prior,
             devices=devices,
         )
-        spec_path = job_dir / "runner-spec.json"
+        spec_path = job_dir / rundir.RUNNER_SPEC
         with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(spec.model_dump_json())  # it may hold etcd credentials and job secrets
-        log_path = job_dir / "runner.log"
+        log_path = job_dir / rundir.RUNNER_LOG
         taken = self._take_warm(assignment.job_id, spec_path, log_path)
         if taken is not None:
             process, log_path = taken
@@ -588,11 +591,12 @@ class Agent:
     def _runner_env(self, job_id: str | None) -> dict[str, str]:
         """The runner's environment: marks it as this node's and job's; carries the
         etcd password, which the spec file (JSON, on disk) never holds."""
-        env = dict(os.environ, TIDAL_NODE_ID=self.settings.node_id)
+        env = dict(os.environ)
+        env[worker_env.NODE_ID] = self.settings.node_id
         if job_id is not None:
-            env["TIDAL_JOB_ID"] = job_id
+            env[worker_env.JOB_ID] = job_id
         if self.settings.etcd_password is not None:
-            env["TIDAL_ETCD_PASSWORD"] = self.settings.etcd_password.get_secret_value()
+            env[worker_env.ETCD_PASSWORD] = self.settings.etcd_password.get_secret_value()
         if self.settings.worker_user is not None:
             env[ENV_WORKER_USER] = self.settings.worker_user
         return env
@@ -702,10 +706,6 @@ class Agent:
         while self.state.runners:
             self._reap()
             time.sleep(0.1)
-
-    @staticmethod
-    def stopped_on_request(code: int) -> bool:
-        return code == EXIT_STOPPED
 
 
 def wants_warm_runner(slots: int, runners: Iterable[tuple[Assignment, bool]]) -> bool:

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from rendezvous.client import EtcdConfig, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_server import EtcdServer
+from rendezvous.keys import DEFAULT_ROOT
 from rendezvous.settings import settings_error_message
 from service.commands import register as register_job_commands
 from service.queues_cli import register as register_queue_commands
@@ -116,7 +117,7 @@ def etcd_command(data_dir: Path | None, port: int | None, binary: Path | None) -
 @click.option("--etcd", "endpoints", multiple=True, envvar="TIDAL_ETCD_ENDPOINTS",
               default=["127.0.0.1:2379"], show_default=True,
               help="etcd endpoint(s) HOST:PORT[,HOST:PORT...].")
-@click.option("--etcd-root", default="/tidal", envvar="TIDAL_ETCD_ROOT", show_default=True)
+@click.option("--etcd-root", default=DEFAULT_ROOT, envvar="TIDAL_ETCD_ROOT", show_default=True)
 @click.option("--etcd-ca-cert", type=click.Path(path_type=Path), envvar="TIDAL_ETCD_CA_CERT",
               help="CA bundle that signed etcd's certificate; turns TLS on.")
 @click.option("--etcd-cert", type=click.Path(path_type=Path), envvar="TIDAL_ETCD_CERT",

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from rendezvous import worker_env
 from rendezvous.gpus import GpuInfo
 from rendezvous.records import (
     MAX_ARG_LEN,
@@ -62,7 +63,7 @@ MAX_COMMAND_BYTES = 128 * 1024
 #: The whole spec as JSON, in bytes.
 MAX_SPEC_BYTES = 256 * 1024
 #: Environment variable names reserved for what tidal itself tells the workers.
-RESERVED_ENV_PREFIXES = ("TIDAL_", "TORCHELASTIC_")
+RESERVED_ENV_PREFIXES = (worker_env.RESERVED_PREFIX, "TORCHELASTIC_")
 RESERVED_ENV = frozenset(
     {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
      "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
@@ -178,9 +179,9 @@ class ResizePolicy(BaseModel):
     )
 
     def env(self) -> dict[str, str]:
-        out: dict[str, str] = {"TIDAL_RESIZE_POLICY": self.lr_rule}
+        out: dict[str, str] = {worker_env.RESIZE_POLICY: self.lr_rule}
         if self.global_batch_size is not None:
-            out["TIDAL_GLOBAL_BATCH_SIZE"] = str(self.global_batch_size)
+            out[worker_env.GLOBAL_BATCH_SIZE] = str(self.global_batch_size)
         return out
 
 

@@ -81,13 +81,13 @@ from rendezvous.etcd_auth import (
     find_etcdctl,
 )
 from rendezvous.etcd_server import EtcdServer
+from rendezvous.keys import DEFAULT_ROOT
 from service.ready import ReadyFile, read_ready, write_atomically
 from service.target import CLUSTER_FILE, AgentEntry, ClusterFile
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENTS = 3
-DEFAULT_ETCD_ROOT = "/tidal"
 LEASE_TTL_S = 3
 TOKEN_FILE = "token"  # noqa: S105 (a file name, not a secret)
 HTTP_TIMEOUT_S = 5.0
@@ -253,7 +253,7 @@ class LocalCluster:
         workdir_root: str | os.PathLike[str] | None = None,
         checkpoint_root: str | os.PathLike[str] | None = None,
         token: str | None = None,
-        etcd_root: str = DEFAULT_ETCD_ROOT,
+        etcd_root: str = DEFAULT_ROOT,
         lease_ttl_s: int = LEASE_TTL_S,
         slots: int = 1,
         gpus_per_agent: int | None = None,
