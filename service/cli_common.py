@@ -14,6 +14,7 @@ from typing import IO, Any, TypeVar
 
 import click
 
+from rendezvous.keys import InvalidIdentifierError, validate_id
 from service.client import Client, TidalError, UnauthorizedError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,3 +96,25 @@ def connect(url: str | None, token: str | None, state_dir: Path | None) -> Itera
             yield client
     except TidalError as exc:
         raise cli_error(exc) from None
+
+
+def _check_id(value: str, *, what: str) -> str:
+    try:
+        return validate_id(value, what=what)
+    except InvalidIdentifierError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def job_id_arg(_: click.Context, __: click.Parameter, value: str) -> str:
+    """A click callback: ``value`` is a valid job id, else a usage error (exit 2)."""
+    return _check_id(value, what="job id")
+
+
+def node_id_arg(_: click.Context, __: click.Parameter, value: str) -> str:
+    """A click callback: ``value`` is a valid node id, else a usage error (exit 2)."""
+    return _check_id(value, what="node id")
+
+
+def optional_node_id_arg(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
+    """As :func:`node_id_arg`, for an option that may be left out."""
+    return None if value is None else _check_id(value, what="node id")

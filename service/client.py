@@ -386,7 +386,9 @@ class Client(_Base):
 
     def scale(self, job_id: str, *, min_nodes: int | None = None, max_nodes: int | None = None
               ) -> JobView:
-        """New bounds for the job's size; it resizes from its last checkpoint.
+        """New bounds for the job's size. Bounds alone restart nothing; nodes a lower
+        maximum releases leave as drained ones do, a higher maximum lets idle nodes
+        join (live when the job's script supports it, else from the newest state).
 
         Raises:
             InvalidRequestError: ``min_nodes`` greater than ``max_nodes``.

@@ -1,4 +1,4 @@
-"""The job and node commands of the `tidal` command line, as clients of the coordinator's API.
+"""The job commands of the `tidal` command line, as clients of the coordinator's API.
 
 :func:`register` adds them to the ``tidal`` group::
 
@@ -12,10 +12,9 @@
     tidal events  JOB [--json]
     tidal scale   JOB [--min N] [--max M] [--json]
     tidal cancel  JOB [--json]
-    tidal nodes   [--json]
-    tidal drain   NODE [--json]
-    tidal undrain NODE [--json]
     tidal logs    JOB [--node N] [--rank R] [--tail N] [-f] [--json]
+
+and the node commands of :mod:`service.cli_nodes` (``nodes``, ``drain``, ``undrain``).
 
 Every command takes ``--url``, ``--token`` and ``--state-dir``; the coordinator
 is found by :func:`service.client.resolve_target` (flags, then ``TIDAL_URL`` /
@@ -60,13 +59,15 @@ from typing import Any, TypeVar
 
 import click
 
-from rendezvous.keys import InvalidIdentifierError, validate_id
 from service.cli_common import (
     connect,
+    job_id_arg,
     json_option,
+    optional_node_id_arg,
     reporting_errors,
     target_options,
 )
+from service.cli_nodes import NODE_COMMANDS
 from service.cli_output import age, dump_json, table
 from service.cli_output import clock as _clock
 from service.cli_views import (
@@ -74,7 +75,6 @@ from service.cli_views import (
     error_lines,
     event_line,
     next_steps,
-    nodes_table,
     status_text,
 )
 from service.client import (
@@ -97,21 +97,6 @@ from service.models import JobEvent, JobPhase, JobView
 LOGS_DRAIN_S = 30.0
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _check_id(value: str, *, what: str) -> str:
-    try:
-        return validate_id(value, what=what)
-    except InvalidIdentifierError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _job_id(_: click.Context, __: click.Parameter, value: str) -> str:
-    return _check_id(value, what="job id")
-
-
-def _node_id(_: click.Context, __: click.Parameter, value: str) -> str:
-    return _check_id(value, what="node id")
 
 
 # following a job -----------------------------------------------------------------------
@@ -400,7 +385,7 @@ def submit_command(
         raise click.exceptions.Exit(code)
 
 
-# reading jobs and nodes ----------------------------------------------------------------
+# reading jobs ----------------------------------------------------------------
 
 
 @click.command("jobs")
@@ -442,7 +427,7 @@ def jobs_command(
 
 
 @click.command("status")
-@click.argument("job", callback=_job_id)
+@click.argument("job", callback=job_id_arg)
 @click.option("--watch", is_flag=True,
               help="Follow the job until it ends; exit 0 succeeded, 1 failed, 3 cancelled.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
@@ -475,7 +460,7 @@ def status_command(
 
 
 @click.command("events")
-@click.argument("job", callback=_job_id)
+@click.argument("job", callback=job_id_arg)
 @json_option
 @target_options
 def events_command(
@@ -495,29 +480,11 @@ def events_command(
     ))
 
 
-@click.command("nodes")
-@json_option
-@target_options
-def nodes_command(
-    as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
-) -> None:
-    """List the live nodes: state, slots in use, labels and their jobs."""
-    with connect(url, token, state_dir) as client:
-        nodes = client.nodes()
-    if as_json:
-        click.echo(dump_json(list(nodes)))
-        return
-    if not nodes:
-        click.echo("no nodes are registered", err=True)
-        return
-    click.echo(nodes_table(nodes))
-
-
-# changing jobs and nodes ---------------------------------------------------------------
+# changing jobs ---------------------------------------------------------------
 
 
 @click.command("scale")
-@click.argument("job", callback=_job_id)
+@click.argument("job", callback=job_id_arg)
 @click.option("--min", "min_nodes", type=click.IntRange(1), default=None,
               help="New minimum number of nodes.")
 @click.option("--max", "max_nodes", type=click.IntRange(1), default=None,
@@ -528,7 +495,11 @@ def scale_command(
     job: str, min_nodes: int | None, max_nodes: int | None, as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
-    """Change how many nodes JOB may run on; it resizes from its last checkpoint."""
+    """Change how many nodes JOB may run on.
+
+    New bounds alone restart nothing; nodes released by a lower maximum leave as
+    drained ones do, and a higher maximum lets idle nodes join (live when the
+    job's script supports it, else from the newest checkpoint)."""
     if min_nodes is None and max_nodes is None:
         raise click.UsageError("give --min, --max or both")
     with connect(url, token, state_dir) as client:
@@ -541,7 +512,7 @@ def scale_command(
 
 
 @click.command("cancel")
-@click.argument("job", callback=_job_id)
+@click.argument("job", callback=job_id_arg)
 @json_option
 @target_options
 def cancel_command(
@@ -560,49 +531,12 @@ def cancel_command(
     click.echo(f"cancelling job {view.job_id} (was {view.phase.value})")
 
 
-@click.command("drain")
-@click.argument("node", callback=_node_id)
-@json_option
-@target_options
-def drain_command(
-    node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
-) -> None:
-    """Take NODE out of service: its jobs checkpoint and go on without it."""
-    with connect(url, token, state_dir) as client:
-        view = client.drain(node)
-    if as_json:
-        click.echo(dump_json(view))
-        return
-    jobs = f"; its jobs move off it: {', '.join(view.jobs)}" if view.jobs else ""
-    click.echo(f"node {view.node_id} is {view.state}{jobs}")
-
-
-@click.command("undrain")
-@click.argument("node", callback=_node_id)
-@json_option
-@target_options
-def undrain_command(
-    node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
-) -> None:
-    """Put a drained NODE back in service."""
-    with connect(url, token, state_dir) as client:
-        view = client.undrain(node)
-    if as_json:
-        click.echo(dump_json(view))
-        return
-    click.echo(f"node {view.node_id} is {view.state}")
-
-
 # logs ----------------------------------------------------------------------------------
 
 
-def _optional_node_id(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
-    return None if value is None else _check_id(value, what="node id")
-
-
 @click.command("logs")
-@click.argument("job", callback=_job_id)
-@click.option("--node", default=None, callback=_optional_node_id,
+@click.argument("job", callback=job_id_arg)
+@click.option("--node", default=None, callback=optional_node_id_arg,
               help="Only this node's workers.")
 @click.option("--rank", type=click.IntRange(0), default=None,
               help="Only this local rank (the worker's index on its node).")
@@ -636,7 +570,7 @@ def logs_command(
 
 COMMANDS: tuple[click.Command, ...] = (
     submit_command, jobs_command, status_command, events_command, scale_command,
-    cancel_command, nodes_command, drain_command, undrain_command, logs_command,
+    cancel_command, logs_command, *NODE_COMMANDS,
 )
 
 
