@@ -469,12 +469,17 @@ class TidalElasticAgent(LocalElasticAgent):
         (bounded by the grace period less :data:`LEAVE_MARGIN_S`) for them to
         exit once the others resized. Returns either way: then the group is
         shut down as on any SIGTERM (at once if the workers are gone) and the
-        node leaves the rendezvous.
+        node leaves the rendezvous. A group that cannot take the live path
+        announces the leave too, and goes today's way at once.
         """
         if self._resizing or self._progress_dir is None:
             return
         cause = self._live_blocker()
         if cause is not None:
+            # Said all the same: the others restart their group as a healthy one
+            # (with the grace to save), for a leave, instead of as a broken one
+            # once this node is gone.
+            self._handler.announce_leaving()
             self._reporter.count_resize(RESTART, "leave", cause)
             return
         # The outcome is decided: another SIGTERM must not cut the wait short.
