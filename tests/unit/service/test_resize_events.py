@@ -12,8 +12,9 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from rendezvous.records import JobNodeState, JobNodeStatus
+from service.job_reports import resize_rises
 from service.models import EventReason, JobPhase, SeenResizes
-from service.scheduler import plan, resize_rises
+from service.scheduler import plan
 from tests.unit.service.sim import Sim, make_job, make_node
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)

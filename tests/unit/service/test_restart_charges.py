@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rendezvous.records import RUNNER_RANK, JobNodeState, JobNodeStatus, WorkerError
+from service.job_reports import restart_charges
 from service.models import ChargedRestarts, EventReason, JobPhase
-from service.scheduler import plan, restart_charges
+from service.scheduler import plan
 from service.views import job_view
 from tests.unit.service.sim import Sim, make_job, make_node
 
