@@ -16,7 +16,8 @@ So a round completes the moment every expected, living node has joined it:
 no timers. Layout, under ``P/rdzv/<job>/assigned/``::
 
     joins/<node>   JoinRecord: the round the node wants, its liveness
-                   address, an incarnation id; under the runner's lease
+                   address, an incarnation id, whether it is leaving (a
+                   planned leave); under the runner's lease
     round          RoundRecord: the last completed round, its members in rank
                    order with their liveness addresses; written by
                    compare-and-set on its mod revision by whichever joiner
