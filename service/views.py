@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rendezvous.records import JobNodeState, JobNodeStatus
-from service.models import JobRecord, JobView, NodeInJob, NodeView, SpecView
 from service.job_reports import CHARGED_REASON, restart_charges, statuses_in_force
+from service.models import JobRecord, JobView, NodeInJob, NodeView, SpecView
 from service.store import Snapshot
 
 
