@@ -12,7 +12,8 @@ one. SIGTERM is a planned leave: the member announces it, waits for the others'
 next round and leaves. It prints ``pid NODE PID`` for each member, and each
 member appends JSON lines to ``OUTDIR/NODE.jsonl``: ``{"ev", "t": time.time(),
 ...}`` with ev ``joining`` (before its first round), ``round`` (round, world),
-``noticed`` (kind, nodes), ``announced`` and ``left``.
+``noticed`` (kind, nodes), ``announced``, ``left`` and ``failed`` (error: the
+traceback of a member that died of an exception).
 
 ``python -m tests.support.rdzv_swarm workers N PORT OUTDIR`` forks N torch
 workers that form a gloo group of world size N on 127.0.0.1:PORT, build DDP
@@ -38,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,11 @@ import torch.distributed as dist
 from agent.zygote import PRELOAD, PRELOAD_LATER
 from rendezvous.assigned import AssignedRendezvousHandler
 from rendezvous.client import EtcdConfig, create_client
+from rendezvous.errors import EtcdUnavailableError
 
 POLL_S = 0.1  # agent/runner.py's monitor_interval
 LEAVE_WAIT_S = 120.0
+CONNECT_ATTEMPTS = 5
 
 
 class Log:
@@ -65,7 +69,14 @@ def member(endpoint: str, root: str, job: str, node: str, first_min: int, outdir
     leaving = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: leaving.set())
     out = Log(outdir / f"{node}.jsonl")
-    client = create_client(EtcdConfig(endpoints=[endpoint], root=root, timeout_s=30))
+    for attempt in range(CONNECT_ATTEMPTS):  # as an agent starts a failed runner again
+        try:
+            client = create_client(EtcdConfig(endpoints=[endpoint], root=root, timeout_s=30))
+            break
+        except EtcdUnavailableError as exc:
+            out.emit("retry", error=str(exc))
+            if attempt == CONNECT_ATTEMPTS - 1:
+                raise
     handler = AssignedRendezvousHandler(
         client, run_id=job, node_id=node, addr="127.0.0.1", min_nodes=first_min,
         max_nodes=100_000,
@@ -109,6 +120,8 @@ def members(endpoint: str, root: str, job: str, outdir: Path) -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 try:
                     member(endpoint, root, job, node, int(words[1]), outdir)
+                except BaseException:
+                    Log(outdir / f"{node}.jsonl").emit("failed", error=traceback.format_exc())
                 finally:
                     os._exit(1)
             print(f"pid {node} {pid}", flush=True)
@@ -159,6 +172,8 @@ def workers(world: int, port: int, outdir: Path) -> None:
             try:
                 worker(rank, world, port, outdir)
                 os._exit(0)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(1)
         pids.append(pid)
