@@ -235,7 +235,8 @@ def one_change(swarm: Swarm, size: int, kind: str, busy: bool, etcd_pid: int | N
     notices = [next((e["t"] for e in swarm.events(n) if e["ev"] == "noticed" and e["t"] > act),
                     None) for n in stay]
     seen = [t - act for t in notices if t is not None]
-    back = max(next(e["t"] for e in swarm.events(n) if e["ev"] == "round" and e["t"] > act)
+    # Each member's last round since the act: the one of ``world`` members (in_round).
+    back = max(max(e["t"] for e in swarm.events(n) if e["ev"] == "round" and e["t"] > act)
                for n in stay)
     out.wall = back - act
     if seen:
