@@ -135,7 +135,7 @@ def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
     if not assigned:
         return assigned
     live, _ = client.get_prefix(keys.nodes_prefix())
-    registered = {kv.key[len(keys.nodes_prefix()):] for kv in live}
+    registered = {node for kv in live if (node := keys.node_of(kv.key)) is not None}
     return assigned & registered
 
 

@@ -247,11 +247,10 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._join_timeout_s = join_timeout_s
         self._store_timeout = datetime.timedelta(seconds=store_timeout_s)
         self._fence = fence
-        prefix = self._keys.rdzv_prefix(run_id) + "assigned/"
-        self._joins_prefix = prefix + "joins/"
-        self._round_key = prefix + "round"
-        self._closed_key = prefix + "closed"
-        self._prefix = prefix
+        self._joins_prefix = self._keys.assigned_joins_prefix(run_id)
+        self._round_key = self._keys.assigned_round(run_id)
+        self._closed_key = self._keys.assigned_closed(run_id)
+        self._prefix = self._keys.assigned_prefix(run_id)
 
         self._cond = threading.Condition()
         self._joins: dict[str, JoinRecord] = {}
@@ -465,7 +464,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         if self._stopped.is_set() or self._server is None or self._lease is None:
             return False
         lease = self._lease.lease_id
-        key = self._joins_prefix + self._node
+        key = self._keys.assigned_join(self._run_id, self._node)
         record = JoinRecord(self._me(), wanted, leaving=True)
         try:
             result = self._client.txn([Compare(key, "lease", "==", lease)],
@@ -529,7 +528,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
             try:
                 lease = self._join_lease()
                 guard = self._fence_guard()
-                put = Put(self._joins_prefix + self._node, record.to_json(), lease)
+                key = self._keys.assigned_join(self._run_id, self._node)
+                put = Put(key, record.to_json(), lease)
                 if self._client.txn(guard, [put]).succeeded:
                     return
                 continue  # the assignment changed between the read and the put: read again
@@ -663,7 +663,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"job {self._run_id}: {exc}") from exc
 
     def _store_prefix(self, round_: int) -> str:
-        return f"{self._keys.rdzv_store_prefix(self._run_id)}{round_}/"
+        return self._keys.round_store_prefix(self._run_id, round_)
 
     def _round_info(self, mine: RoundRecord | None) -> RendezvousInfo:
         assert mine is not None
@@ -708,9 +708,9 @@ class AssignedRendezvousHandler(RendezvousHandler):
         if key == self._closed_key:
             self._closed = event.kind == "put"
             return
-        if not key.startswith(self._joins_prefix):
+        node = Keys.id_under(self._joins_prefix, key)
+        if node is None:
             return
-        node = key[len(self._joins_prefix):]
         members = {m.node: m for m in self._mine.members} if self._mine else {}
         if event.kind == "delete":
             self._joins.pop(node, None)

@@ -16,6 +16,10 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/events/<job>/<seq>            job lifecycle events
     P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
     P/rdzv/<job>/store/<key>        the c10d Store of that rendezvous
+    P/rdzv/<job>/assigned/joins/<node>   the agents' rendezvous (rendezvous.assigned):
+    P/rdzv/<job>/assigned/round          a node's join record, the last round,
+    P/rdzv/<job>/assigned/closed         and the mark of a finished job
+    P/rdzv/<job>/store/<round>/<key>     the c10d store of each of its rounds
     P/election/<name>/<lease>       leader election candidates
 """
 
@@ -190,6 +194,27 @@ class Keys:
 
     def rdzv_store_prefix(self, run_id: str) -> str:
         return self.rdzv_prefix(run_id) + "store/"
+
+    # the agents' rendezvous (rendezvous.assigned)
+    def assigned_prefix(self, run_id: str) -> str:
+        return self.rdzv_prefix(run_id) + "assigned/"
+
+    def assigned_joins_prefix(self, run_id: str) -> str:
+        return self.assigned_prefix(run_id) + "joins/"
+
+    def assigned_join(self, run_id: str, node_id: str) -> str:
+        return self.assigned_joins_prefix(run_id) + validate_id(node_id, what="node id")
+
+    def assigned_round(self, run_id: str) -> str:
+        return self.assigned_prefix(run_id) + "round"
+
+    def assigned_closed(self, run_id: str) -> str:
+        return self.assigned_prefix(run_id) + "closed"
+
+    def round_store_prefix(self, run_id: str, round_: int) -> str:
+        if round_ < 0:
+            raise ValueError(f"round ({round_}) must be >= 0")
+        return f"{self.rdzv_store_prefix(run_id)}{round_}/"
 
     # leader election
     def election_prefix(self, name: str) -> str:

@@ -103,7 +103,7 @@ def test_a_killed_member_is_noticed_at_once_and_nobody_waits_for_its_lease(
     infos = together(a, b)
     assert {i.world_size for i in infos} == {3}
     wait_for(joined, timeout=30, what="c in the round")
-    c_key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/c"
+    c_key = Keys(etcd_config.root).assigned_join(JOB, "c")
     assert etcd_client.get(c_key) is not None
 
     procs.signal_group(proc, signal.SIGKILL)  # type: ignore[arg-type]
@@ -190,7 +190,7 @@ def test_shutdown_closes_the_rendezvous_for_every_node(make: Make) -> None:
 
 def test_a_malformed_record_is_ignored(make: Make, etcd_client: EtcdClient,
                                        etcd_config: EtcdConfig) -> None:
-    prefix = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/"
+    prefix = Keys(etcd_config.root).assigned_joins_prefix(JOB)
     etcd_client.put(prefix + "z", b"{not json")
     etcd_client.put(prefix + "y", json.dumps({"round": 1, "node": "other", "addr": "x",
                                               "port": 1, "incarnation": "i"}).encode())
@@ -208,7 +208,7 @@ def test_a_member_whose_record_lapsed_and_came_back_is_waited_for(
     nodes = {"a", "b", "c"}
     a, b, c = (make(n, expected=nodes) for n in sorted(nodes))
     together(a, b, c)
-    key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/c"
+    key = Keys(etcd_config.root).assigned_join(JOB, "c")
     record = etcd_client.get(key)
     assert record is not None
     etcd_client.delete(key)
@@ -240,12 +240,12 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     a, b, c = (make(n, expected={"a", "b", "c"}, fence=fences[n]) for n in ("a", "b", "c"))
     assert [i.world_size for i in together(a, b, c)] == [3, 3, 3]
     etcd_client.delete(fences["c"].key)
-    etcd_client.delete(Keys(root).rdzv_prefix(JOB) + "assigned/joins/c")
+    etcd_client.delete(Keys(root).assigned_join(JOB, "c"))
     change = wait_for(a.pending_change, timeout=10, what="a to see c's record gone")
     assert change.nodes == frozenset({"c"})
     with pytest.raises(AssignmentWithdrawnError, match="node c at generation 1 is gone"):
         c._announce(2)
-    assert etcd_client.get(Keys(root).rdzv_prefix(JOB) + "assigned/joins/c") is None
+    assert etcd_client.get(Keys(root).assigned_join(JOB, "c")) is None
     a._expected_nodes = b._expected_nodes = lambda: {"a", "b"}
     infos = together(a, b)
     assert [i.world_size for i in infos] == [2, 2]
@@ -298,7 +298,7 @@ def test_leaving_is_not_announced_once_the_record_is_gone(
 ) -> None:
     a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
     together(a, b)
-    key = Keys(etcd_config.root).rdzv_prefix(JOB) + "assigned/joins/b"
+    key = Keys(etcd_config.root).assigned_join(JOB, "b")
     etcd_client.delete(key)  # its lease ended meanwhile: the put must not bring it back
     assert not b.announce_leaving()
     assert etcd_client.get(key) is None
