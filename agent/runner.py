@@ -51,7 +51,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from agent import live
+from agent import live, rundir
 from agent.admission import record_nodes
 from agent.bounds import BoundsFollower
 from agent.elastic_metrics import configure_elastic_metrics
@@ -616,7 +616,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
         reporter=reporter,
         progress_dir=progress_dir,
         live_timeout_s=float(conf.get("live_timeout", LIVE_TIMEOUT_S)),
-        logs_specs=DefaultLogsSpecs(log_dir=str(spec.job_dir / "logs"), redirects=Std.ALL),
+        logs_specs=DefaultLogsSpecs(log_dir=str(rundir.logs_dir(spec.job_dir)), redirects=Std.ALL),
         start_method="spawn",
         shutdown_timeout=int(job.grace_period_s),
     )
@@ -624,7 +624,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     # rendezvous without a restart (agent.bounds).
     bounds = BoundsFollower(client, keys.assignment(spec.node_id, job.job_id), job.generation,
                             on_change=handler.set_bounds).start()
-    cap = LogCap(spec.job_dir / "logs", max_bytes=spec.log_max_bytes).start()
+    cap = LogCap(rundir.logs_dir(spec.job_dir), max_bytes=spec.log_max_bytes).start()
     # Join the job only once workers can start fast: the running nodes keep
     # training meanwhile instead of waiting for this node's imports.
     if zygote is not None and not zygote.wait_ready(ZYGOTE_READY_TIMEOUT_S):
