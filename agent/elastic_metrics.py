@@ -5,7 +5,7 @@ decorator (``<Class>.<call>.success|failure`` and ``<Class>.<call>.duration.ms``
 to a pluggable :class:`~torch.distributed.elastic.metrics.api.MetricHandler`,
 by default one that drops everything. They are emitted in the runner process,
 which serves no HTTP; :class:`RecorderMetricHandler` hands them to the
-runner's :class:`~agent.status.RunnerMetricsRecorder`, which the status
+runner's :class:`~agent.runner_metrics.RunnerMetricsRecorder`, which the status
 thread writes to ``<job dir>/metrics.json``, and the agent daemon exports them
 at scrape time, durations converted to seconds (:mod:`agent.metrics`).
 
@@ -18,7 +18,7 @@ import logging
 
 from torch.distributed.elastic.metrics.api import MetricData, MetricHandler, configure
 
-from agent.status import RunnerMetricsRecorder
+from agent.runner_metrics import RunnerMetricsRecorder
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ runner reads and writes through. What the runner decides from them is here,
 as pure functions of the workers' answers, their liveness and the clock;
 :class:`agent.runner.TidalElasticAgent` acts on them. Whatever goes wrong
 falls back to the restart path, and the runner says which path it took and
-why (:mod:`agent.status`: the causes are :data:`agent.status.FALLBACK_CAUSES`).
+why (:mod:`agent.status`: the causes are :data:`agent.runner_metrics.FALLBACK_CAUSES`).
 
 This module is the runner's (it imports torch through :mod:`checkpoints.live`);
 the agent daemon never imports it.
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from agent.status import (
+from agent.runner_metrics import (
     MEMBERSHIP_CHANGED,
     NO_PEER_STAYS,
     NOT_CAPABLE,

@@ -6,7 +6,7 @@ state and nothing is double-counted across runner restarts:
 
 * the runners' status records in etcd (``status/<job>/<node>``): state, world
   size, step, the last failure's exit code;
-* each runner's ``metrics.json`` in its job directory (:class:`agent.status.RunnerMetrics`):
+* each runner's ``metrics.json`` in its job directory (:class:`agent.runner_metrics.RunnerMetrics`):
   counters since that runner started -- restarts by reason, worker exits by
   code, recovery durations, torch elastic's own metrics. A job's runners are
   one per generation, each in its own directory; the collector sums the
@@ -44,19 +44,21 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from agent import rundir
-from agent.status import (
-    FALLBACK_CAUSES,
+from agent.progress import (
     GOODPUT_CAUSES,
+    ProgressSummary,
+    read_progress_reports,
+    summarize_progress,
+)
+from agent.runner_metrics import (
+    FALLBACK_CAUSES,
     LIVE_BUCKETS,
     RESIZE_PATHS,
     RESIZE_REASONS,
     RUNNER_METRICS_FILE,
     HistogramData,
-    ProgressSummary,
     RunnerMetrics,
-    read_progress_reports,
     read_runner_metrics,
-    summarize_progress,
 )
 from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdError

@@ -56,16 +56,16 @@ from agent.admission import record_nodes
 from agent.bounds import BoundsFollower
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
-from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
-from agent.status import (
+from agent.runner_metrics import (
     LIVE,
     MEMBERSHIP_CHANGED,
     NOT_ANNOUNCED,
     NOT_CAPABLE,
     RESTART,
     RUNNER_METRICS_FILE,
-    StatusReporter,
 )
+from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
+from agent.status import StatusReporter
 from agent.zygote import ZygoteProcess
 from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
 from checkpoints.live import (
@@ -114,7 +114,7 @@ PLANNED = ("waiting", "leaving")
 
 
 def resize_reason(kind: str) -> str:
-    """A membership change's reason label (agent.status.RESIZE_REASONS) from its kind."""
+    """A membership change's reason label (agent.runner_metrics.RESIZE_REASONS) from its kind."""
     return {"waiting": "join", "leaving": "leave"}.get(kind, "lost")
 
 

@@ -170,7 +170,7 @@ class JobNodeStatus(BaseModel):
     remaining_restarts: int = 0
     last_step: int | None = None
     last_checkpoint_step: int | None = None
-    # What the workers last reported (agent.status.ProgressSummary), for people following
+    # What the workers last reported (agent.progress.ProgressSummary), for people following
     # the job: the global samples/s as one rank measures it, the mean loss of this node's
     # ranks, when the newest checkpoint was written (Unix time) and the total steps.
     samples_per_second: float | None = None

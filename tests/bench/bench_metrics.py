@@ -35,13 +35,9 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.progress import read_progress_reports, summarize_progress
 from agent.rundir import generation_dir
-from agent.status import (
-    RunnerMetricsRecorder,
-    read_progress_reports,
-    summarize_progress,
-    write_runner_metrics,
-)
+from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from checkpoints.progress import FileProgressReporter, NullProgressReporter, ProgressReporter
 from rendezvous.records import JobNodeState, JobNodeStatus
 from tests.unit.agent.fakes import FakeEtcd

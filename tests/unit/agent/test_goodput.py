@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from agent.status import RoundSpan, recovery_losses, round_span
+from agent.progress import RoundSpan, recovery_losses, round_span
 from rendezvous.progress_file import ProgressReport
 from rendezvous.records import JobNodeState, JobNodeStatus
 from service.cli_views import goodput_text

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from agent import live
 from agent.runner import resize_reason
-from agent.status import (
+from agent.runner_metrics import (
     FALLBACK_CAUSES,
     MEMBERSHIP_CHANGED,
     NO_PEER_STAYS,

@@ -18,8 +18,8 @@ from agent.metrics import (
     JobStatusCollector,
 )
 from agent.rundir import generation_dir, generation_dirs
+from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from agent.settings import AgentSettings
-from agent.status import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
 from tests.unit.agent.fakes import FakeEtcd
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent.status import summarize_progress
+from agent.progress import summarize_progress
 from checkpoints.progress import FileProgressReporter, NullProgressReporter
 from rendezvous.progress_file import ProgressReport
 

@@ -13,22 +13,23 @@ from torch.distributed.elastic import metrics as elastic_metrics
 from torch.distributed.elastic.metrics.api import NullMetricHandler
 
 from agent.elastic_metrics import configure_elastic_metrics
-from agent.status import (
-    PROGRESS_FORMAT,
+from agent.progress import (
     PROGRESS_MAX_BYTES,
-    PROGRESS_VERSION,
+    read_progress,
+    read_progress_reports,
+    summarize_progress,
+)
+from agent.runner_metrics import (
     RECOVERY_BUCKETS,
     HistogramData,
     RunnerMetricsRecorder,
-    StatusReporter,
     elastic_call_name,
-    read_progress,
-    read_progress_reports,
     read_runner_metrics,
-    summarize_progress,
 )
+from agent.status import StatusReporter
 from checkpoints import progress as progress_writer
 from checkpoints.progress import FileProgressReporter
+from rendezvous.progress_file import PROGRESS_FORMAT, PROGRESS_VERSION
 from rendezvous.records import JobNodeState, JobNodeStatus, RestartReason
 from tests.support.wait import wait_for
 from tests.unit.agent.fakes import FakeEtcd

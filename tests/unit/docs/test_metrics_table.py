@@ -20,7 +20,7 @@ from agent.gpu_metrics import GpuCollector
 from agent.gpus import GpuReading, GpuSnapshot
 from agent.metrics import AgentMetrics, JobStatusCollector
 from agent.rundir import generation_dir
-from agent.status import RunnerMetricsRecorder, write_runner_metrics
+from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.gpus import GpuInfo
 from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError
 from service.metrics import ClusterCollector, CoordinatorMetrics
