@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -120,14 +120,23 @@ def create_app(
 
     app.include_router(queue_router(store=store, on_change=on_change), dependencies=[Auth])
 
-    # health and metrics ----------------------------------------------------------------
+    app.include_router(health_router(store=store, election=election, registry=registry,
+                                     reconcile_problem=reconcile_problem))
 
-    @app.get("/healthz", tags=["health"])
+    return app
+
+
+def health_router(*, store: JobStore, election: Election | None, registry: CollectorRegistry,
+                  reconcile_problem: Callable[[], str | None]) -> APIRouter:
+    """``/healthz``, ``/readyz`` and ``/metrics``: open, no token."""
+    router = APIRouter(tags=["health"])
+
+    @router.get("/healthz")
     async def healthz() -> dict[str, str]:
         """The process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorBody}})
+    @router.get("/readyz", responses={503: {"model": ErrorBody}})
     def readyz() -> JSONResponse:
         """etcd answers, a leader is elected, and this replica's reconcile passes succeed."""
         try:
@@ -143,10 +152,9 @@ def create_app(
         return JSONResponse({"status": "ready",
                              "leader": leader.value.decode() if leader is not None else None})
 
-    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse)
     def metrics_route() -> Response:
         """Prometheus metrics (an explicit route: a mounted app would redirect)."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
-
+    return router
