@@ -565,6 +565,47 @@ def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
     )
 
 
+def make_handler(spec: RunnerSpec, client: EtcdClient, keys: Keys) -> AssignedRendezvousHandler:
+    """The job's rendezvous on this node, fenced by its assignment (rendezvous.assigned)."""
+    job = spec.assignment
+    conf = job.rdzv_conf
+    return AssignedRendezvousHandler(
+        client,
+        run_id=job.job_id,
+        node_id=spec.node_id,
+        addr=spec.address,
+        min_nodes=job.min_nodes,
+        max_nodes=job.max_nodes,
+        root=spec.etcd.root,
+        expected_nodes=lambda: assigned_nodes(client, keys, job.job_id),
+        assigned_wait_s=float(conf.get("assigned_wait", 30)),
+        lease_ttl_s=spec.lease_ttl_s,
+        join_timeout_s=float(conf.get("join_timeout", 600)),
+        fence=Fence(keys.assignment(spec.node_id, job.job_id), job.generation),
+    )
+
+
+def make_worker_spec(spec: RunnerSpec, handler: AssignedRendezvousHandler, *,
+                     remaining_restarts: int) -> WorkerSpec:
+    """torch elastic's description of the worker group: every worker through the shim.
+
+    ``remaining_restarts``: what is left of the budget, less than the job's after
+    this generation's runner died here (agent.supervise).
+    """
+    job = spec.assignment
+    return WorkerSpec(
+        role="trainer",
+        local_world_size=job.nproc_per_node,
+        entrypoint=sys.executable,
+        args=("-m", "agent.worker_shim", str(os.getpid()), "--",
+              *job_command(job.command, sys.executable)),
+        rdzv_handler=handler,
+        max_restarts=remaining_restarts,
+        monitor_interval=0.1,
+        local_addr=spec.address,
+    )
+
+
 def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
     """Run the job's worker group until it succeeds, fails, or this node leaves.
 
@@ -584,35 +625,9 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     configure_elastic_metrics(reporter.recorder)
     keys = Keys(spec.etcd.root)
     conf = job.rdzv_conf
-    handler = AssignedRendezvousHandler(
-        client,
-        run_id=job.job_id,
-        node_id=spec.node_id,
-        addr=spec.address,
-        min_nodes=job.min_nodes,
-        max_nodes=job.max_nodes,
-        root=spec.etcd.root,
-        expected_nodes=lambda: assigned_nodes(client, keys, job.job_id),
-        assigned_wait_s=float(conf.get("assigned_wait", 30)),
-        lease_ttl_s=spec.lease_ttl_s,
-        join_timeout_s=float(conf.get("join_timeout", 600)),
-        fence=Fence(keys.assignment(spec.node_id, job.job_id), job.generation),
-    )
-    worker_spec = WorkerSpec(
-        role="trainer",
-        local_world_size=job.nproc_per_node,
-        entrypoint=sys.executable,
-        args=("-m", "agent.worker_shim", str(os.getpid()), "--",
-              *job_command(job.command, sys.executable)),
-        rdzv_handler=handler,
-        # What is left of the budget: less than the job's after this
-        # generation's runner died here (agent.supervise).
-        max_restarts=reporter.status.remaining_restarts,
-        monitor_interval=0.1,
-        local_addr=spec.address,
-    )
+    handler = make_handler(spec, client, keys)
     agent = TidalElasticAgent(
-        worker_spec,
+        make_worker_spec(spec, handler, remaining_restarts=reporter.status.remaining_restarts),
         reporter=reporter,
         progress_dir=progress_dir,
         live_timeout_s=float(conf.get("live_timeout", LIVE_TIMEOUT_S)),
