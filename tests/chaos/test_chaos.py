@@ -41,12 +41,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.chaos.cluster import MLP, NODES, ChaosCluster, processes_with_env
 from tests.chaos.plan import FaultKind, fault_plan
 from tests.chaos.report import Tally, format_counts
 from tests.chaos.soak import Soak
+from tests.support.acid import (
+    assert_same_params,
+    max_difference,
+    record_params,
+    start_reference,
+    wait_reference,
+)
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -67,13 +73,6 @@ ARGS = [
     "--dtype", "float64", "--every-steps", "2", "--seed", "5",
 ]
 MARKER = "TIDAL_CHAOS_RUN"
-
-
-def _params(record: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.tensor(p["values"], dtype=torch.float64).reshape(p["shape"])
-        for name, p in record["params"].items()
-    }
 
 
 def _kinds() -> list[FaultKind]:
@@ -124,13 +123,7 @@ def test_random_kills_and_stops_while_training_end_with_the_uninterrupted_parame
     marker = f"{MARKER}={uuid.uuid4().hex}"
     monkeypatch.setenv(MARKER, marker.split("=", 1)[1])
 
-    reference_record = tmp_path / "reference.json"
-    reference = procs.spawn(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"), *ARGS,
-         "--record", str(reference_record)],
-        log_path=tmp_path / "reference.log",
-    )
+    reference, reference_record = start_reference(procs, tmp_path, ARGS)
     tally = Tally(seed=seed, seconds=CHAOS_SECONDS, total_steps=TOTAL_STEPS)
     cluster = ChaosCluster(procs=procs, workdir=tmp_path, etcd_binary=durable_etcd_binary)
     record = tmp_path / "chaos.json"
@@ -158,20 +151,19 @@ def test_random_kills_and_stops_while_training_end_with_the_uninterrupted_parame
         tally.succeeded = view["phase"] == "SUCCEEDED"
         tally.restarts = dict(view["restarts"])
         assert tally.succeeded, f"the job ended {view['phase']}: {view.get('error')}"
-        assert reference.wait(timeout=300) == 0, (
-            (tmp_path / "reference.log").read_text()[-3000:])
+        wait_reference(reference, tmp_path)
     except BaseException as exc:
         log.error("chaos soak failed; %s\n%s", replay, cluster.log_tails())
         cluster.close()
         _finish(tally, procs, marker, tmp_path)
         raise AssertionError(f"chaos seed {seed}: {exc} ({replay})") from exc
 
-    want = _params(json.loads(reference_record.read_text()))
+    want = record_params(reference_record)
     elastic = json.loads(record.read_text())
-    got = _params(elastic)
+    got = record_params(elastic)
     # The last run's first step (its checkpoint) plus the steps it trained: all of them.
     tally.final_step = int(elastic["first_step"]) + len(elastic["steps"])
-    tally.max_abs_diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    tally.max_abs_diff = max_difference(got, want)
     cluster.close()
     leftovers = _finish(tally, procs, marker, tmp_path)
     with capsys.disabled():
@@ -181,9 +173,10 @@ def test_random_kills_and_stops_while_training_end_with_the_uninterrupted_parame
     assert not leftovers, f"processes of the soak left after its end: {leftovers} (seed {seed})"
     assert soak is not None and not soak.problems, (
         f"faults that left no trace (seed {seed}):\n" + "\n".join(soak.problems))
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-10, rtol=0,
-                                   msg=lambda m: f"{m} (chaos seed {seed})")
+    try:
+        assert_same_params(got, want)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (chaos seed {seed})") from None
 
 
 def _check_marked(cluster: ChaosCluster, marker: str) -> None:

@@ -11,25 +11,35 @@ torchrun.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
-from tests.e2e.test_agent_acid import _params, _state
-from tests.support.agents import AgentCluster, assign, processes_of_node, unassign
+from tests.support.acid import (
+    MLP,
+    assert_same_params,
+    max_difference,
+    record_params,
+    start_reference,
+    wait_reference,
+)
+from tests.support.agents import (
+    AgentCluster,
+    assign,
+    nodes_in_state,
+    processes_of_node,
+    unassign,
+)
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 log = logging.getLogger(__name__)
-MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
 EVERY = 50
 ARGS = [
     "--total-steps", "80", "--global-batch-size", "10", "--dataset-size", "96",
@@ -53,13 +63,7 @@ def test_a_killed_node_costs_the_survivors_at_most_one_step_with_every_steps_50(
     etcd_client: EtcdClient,
     procs: ProcessGroupRegistry,
 ) -> None:
-    reference_record = tmp_path / "reference.json"
-    ref = procs.spawn(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"), *ARGS,
-         "--record", str(reference_record)],
-        log_path=tmp_path / "reference.log",
-    )
+    ref, reference_record = start_reference(procs, tmp_path, ARGS)
     cluster = AgentCluster(
         etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
     )
@@ -74,15 +78,17 @@ def test_a_killed_node_costs_the_survivors_at_most_one_step_with_every_steps_50(
         for node in ("a", "b", "c"):
             cluster.start_agent(node)
             assign(etcd_client, node, job)
-        wait_for(lambda: _state(etcd_client, {"a", "b", "c"}, size=3, min_step=EVERY + 3),
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b", "c"}, size=3,
+                                            min_step=EVERY + 3),
                  timeout=240, what=f"world size 3, step {EVERY + 3}")
         cluster.kill_agent("c")
         unassign(etcd_client, "c", "mlp")
         wait_for(lambda: not processes_of_node("c", warm=True), timeout=10,
                  what="node c's processes gone")
-        wait_for(lambda: _state(etcd_client, {"a", "b"}, state=JobNodeState.SUCCEEDED),
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b"},
+                                            state=JobNodeState.SUCCEEDED),
                  timeout=240, what="the job succeeded on a and b")
-        assert ref.wait(timeout=180) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+        wait_reference(ref, tmp_path, timeout=180)
     except Exception:
         log.error("%s", cluster.log_tails())
         raise
@@ -97,9 +103,7 @@ def test_a_killed_node_costs_the_survivors_at_most_one_step_with_every_steps_50(
     assert all(done - 1 <= r <= done for r in resumed), (done, resumed)
     assert any("just-in-time save of step" in line for line in lines)
 
-    got = _params(json.loads(record.read_text()))
-    want = _params(json.loads(reference_record.read_text()))
-    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
-    log.info("max abs parameter difference vs the uninterrupted run: %.3g", diff)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-10, rtol=0)
+    got, want = record_params(record), record_params(reference_record)
+    log.info("max abs parameter difference vs the uninterrupted run: %.3g",
+             max_difference(got, want))
+    assert_same_params(got, want)

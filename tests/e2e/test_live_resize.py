@@ -26,7 +26,6 @@ change with a script that does not use live resize (mlp.py without
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
@@ -39,19 +38,24 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rendezvous.client import EtcdClient
 from rendezvous.etcd_server import free_port
-from tests.e2e.test_agent_acid import _params
+from tests.support.acid import (
+    MLP,
+    assert_same_params,
+    max_difference,
+    record_params,
+    start_reference,
+    wait_reference,
+)
 from tests.support.agents import AgentCluster, statuses, warm_runner_ready
 from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 log = logging.getLogger(__name__)
-MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
 ARGS = [
     "--global-batch-size", "10", "--dataset-size", "96", "--dtype", "float64",
     "--every-steps", "20", "--seed", "5",
@@ -333,13 +337,8 @@ def test_joins_a_drain_and_two_patches_taken_live_end_with_the_uninterrupted_par
 ) -> None:
     coordinator, agents = cluster
     api = coordinator.client()
-    reference_record = tmp_path / "reference.json"
-    reference = procs.spawn(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"), *ARGS,
-         "--total-steps", str(TOTAL_STEPS), "--record", str(reference_record)],
-        log_path=tmp_path / "reference.log",
-    )
+    reference, reference_record = start_reference(
+        procs, tmp_path, [*ARGS, "--total-steps", str(TOTAL_STEPS)])
     record, port = tmp_path / "live.json", free_port()
     job_id = start_job(api, agents, tmp_path,
                        mlp_spec(tmp_path, live=True, total_steps=TOTAL_STEPS, record=record,
@@ -368,7 +367,7 @@ def test_joins_a_drain_and_two_patches_taken_live_end_with_the_uninterrupted_par
     # Nothing in the job's history says it restarted.
     reasons = {e["reason"] for e in job_events(api, job_id)}
     assert "resized_live" in reasons and not reasons & {"resized_by_restart", "restarted"}, reasons
-    assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    wait_reference(reference, tmp_path, timeout=120)
 
     # 0 completed steps lost, none redone: rank 0 logged every step exactly once.
     taken = Counter(s.step for s in steps(tmp_path) if s.rank == 0)
@@ -380,10 +379,10 @@ def test_joins_a_drain_and_two_patches_taken_live_end_with_the_uninterrupted_par
     starts = {node: sum("start at step" in line for line in lines[node]) for node in lines}
     assert starts == {"a": 1, "b": 1, "c": 1, "d": 1}, starts
 
-    got, want = (_params(json.loads(p.read_text())) for p in (record, reference_record))
+    got, want = record_params(record), record_params(reference_record)
     log.info("max abs parameter difference vs the uninterrupted run: %.3g",
-             max(float((got[k] - want[k]).abs().max()) for k in want))
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+             max_difference(got, want))
+    assert_same_params(got, want)
 
 
 @pytest.mark.slow

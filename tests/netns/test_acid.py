@@ -16,12 +16,17 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from tests.netns.cluster import MLP, WORKER_ENV, NetnsCluster
+from tests.support.acid import (
+    assert_same_params,
+    max_difference,
+    record_params,
+    start_reference,
+    wait_reference,
+)
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -30,13 +35,6 @@ ARGS = [
     "--total-steps", "400", "--global-batch-size", "10", "--dataset-size", "96",
     "--dtype", "float64", "--every-steps", "2", "--seed", "5",
 ]
-
-
-def _params(record: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.tensor(p["values"], dtype=torch.float64).reshape(p["shape"])
-        for name, p in record["params"].items()
-    }
 
 
 def _last_step(cluster: NetnsCluster, job_id: str) -> int:
@@ -49,14 +47,8 @@ def test_a_partition_mid_run_ends_with_the_uninterrupted_parameters(
     cluster: NetnsCluster, procs: ProcessGroupRegistry, tmp_path: Path
 ) -> None:
     api = cluster.api
-    reference_record = tmp_path / "reference.json"
     # The reference runs in the root namespace, on loopback, meanwhile.
-    reference = procs.spawn(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(MLP), "--checkpoint-dir", str(tmp_path / "ref-ckpt"), *ARGS,
-         "--record", str(reference_record)],
-        log_path=tmp_path / "reference.log",
-    )
+    reference, reference_record = start_reference(procs, tmp_path, ARGS)
     record = tmp_path / "elastic.json"
     job_id = api.submit({
         "name": "acid",
@@ -84,14 +76,13 @@ def test_a_partition_mid_run_ends_with_the_uninterrupted_parameters(
     wait_for(lambda: api.job(job_id)["phase"] == "SUCCEEDED", timeout=180, interval=0.5,
              what="the job SUCCEEDED")
 
-    assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
-    want = _params(json.loads(reference_record.read_text()))
+    wait_reference(reference, tmp_path, timeout=120)
+    want = record_params(reference_record)
     elastic = json.loads(record.read_text())
     assert elastic["world_size"] == 3
-    got = _params(elastic)
-    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
-    log.info("max abs parameter difference vs the uninterrupted run: %.3g", diff)
+    got = record_params(elastic)
+    log.info("max abs parameter difference vs the uninterrupted run: %.3g",
+             max_difference(got, want))
     view = api.job(job_id)
     assert view["restarts"].get("node_lost", 0) >= 1 and view["restarts"].get("node_joined", 0) >= 1
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-10, rtol=0)
+    assert_same_params(got, want)

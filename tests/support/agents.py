@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rendezvous.client import Delete, EtcdClient, Put
-from rendezvous.records import Assignment, JobNodeStatus
+from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
 from tests.support.processes import ProcessGroupRegistry
 
 ELASTIC_DDP = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
@@ -202,3 +202,16 @@ def read_events(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def nodes_in_state(client: EtcdClient, job_id: str, nodes: set[str], *, size: int | None = None,
+                   state: JobNodeState = JobNodeState.RUNNING, min_step: int = 0) -> bool:
+    """Whether every one of ``nodes`` reports ``job_id`` in ``state`` (at world size
+    ``size``, past ``min_step``)."""
+    st = statuses(client, job_id)
+    return nodes <= set(st) and all(
+        st[n].state == state
+        and (size is None or st[n].world_size == size)
+        and (st[n].last_step or 0) >= min_step
+        for n in nodes
+    )
