@@ -20,10 +20,9 @@ import os
 import signal
 import sys
 
+from rendezvous.child import set_parent_death_signal
+
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent exits.
@@ -40,10 +39,8 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     if not sys.platform.startswith("linux"):
         log.warning("parent-death signal not supported on %s: orphans are possible", sys.platform)
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(err))
+    if not set_parent_death_signal(sig):
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
         return False
     if expected_parent is not None and os.getppid() != expected_parent:
         # The parent died between our fork and the prctl: nobody will signal us.

@@ -13,17 +13,43 @@ so that :mod:`rendezvous.etcd_server` and the service's supervisors
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: How long :meth:`Child.stop` waits for the reaping after the group's SIGKILL.
 REAP_TIMEOUT_S = 10.0
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when the thread that created it
+    exits (Linux's ``PR_SET_PDEATHSIG``); False where it is not supported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return bool(libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+
+
+def _dying_with(parent: int, sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when ``parent`` (this process) dies, and
+    exits at once if it already has (it was re-parented before the call)."""
+
+    def preexec() -> None:
+        if set_parent_death_signal(sig) and os.getppid() != parent:
+            os._exit(128 + sig)
+
+    return preexec
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
@@ -62,8 +88,16 @@ class Child:
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        parent_death_signal: signal.Signals | None = None,
     ) -> Child:
-        """Start ``argv`` (a list: never a shell) in a new process group."""
+        """Start ``argv`` (a list: never a shell) in a new process group.
+
+        ``parent_death_signal``: sent to the child by the kernel when the thread
+        that starts it exits (this process SIGKILLed included): its own session
+        keeps it out of reach of a signal to this process's group, so without it a
+        SIGKILLed parent leaves it running. Start such a child from a thread that
+        lives as long as it should (the main thread).
+        """
         log_path.parent.mkdir(parents=True, exist_ok=True)
         offset = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log_file:
@@ -75,6 +109,8 @@ class Child:
                 env=None if env is None else dict(env),
                 cwd=cwd,
                 start_new_session=True,  # its own process group, stopped as a whole
+                preexec_fn=(None if parent_death_signal is None
+                            else _dying_with(os.getpid(), int(parent_death_signal))),
             )
         return cls(name, process, log_path, offset)
 

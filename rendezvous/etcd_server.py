@@ -125,8 +125,11 @@ class EtcdServer:
         quota_backend_bytes: int | None = None,
         extra_args: list[str] | None = None,
         start_timeout_s: float = 20.0,
+        parent_death_signal: signal.Signals | None = None,
     ) -> None:
         self.binary = find_etcd_binary(binary)
+        # Sent to etcd when the thread that starts it exits (rendezvous.child).
+        self.parent_death_signal = parent_death_signal
         self.version = etcd_version(self.binary)
         self.host = host
         self._own_dir = data_dir is None
@@ -216,7 +219,8 @@ class EtcdServer:
 
     def _spawn_and_wait(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        child = self._child = Child.spawn("etcd", self._command(), self.log_path)
+        child = self._child = Child.spawn("etcd", self._command(), self.log_path,
+                                          parent_death_signal=self.parent_death_signal)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if child.poll() is not None:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -128,8 +129,11 @@ class LocalPrometheus:
         scrape_interval_s: float = 5.0,
         ready_timeout_s: float = 30.0,
         rules: Iterable[Path] | None = None,
+        parent_death_signal: signal.Signals | None = None,
     ) -> None:
         self.binary = find_prometheus(binary)
+        # Sent to Prometheus when the thread that starts it exits (rendezvous.child).
+        self.parent_death_signal = parent_death_signal
         self.directory = directory
         self.log_path = log_path
         self.scrape_interval_s = scrape_interval_s
@@ -186,7 +190,8 @@ class LocalPrometheus:
             "--storage.tsdb.retention.time=7d",
             "--web.enable-lifecycle",
         ]
-        child = self._child = Child.spawn("prometheus", argv, self.log_path)
+        child = self._child = Child.spawn("prometheus", argv, self.log_path,
+                                          parent_death_signal=self.parent_death_signal)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.ready_timeout_s
         while True:

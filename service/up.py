@@ -94,6 +94,10 @@ HTTP_TIMEOUT_S = 5.0
 COORDINATOR_STOP_S = 10.0
 ETCD_AUTH_DIR = "etcd-auth"
 SUPERVISE_INTERVAL_S = 0.2
+# What each child gets from the kernel when `tidal up` dies without stopping it
+# (SIGKILL): its own session puts it out of reach of a signal to our group.
+# SIGTERM: an agent still stops its runners, whose workers save.
+DEATH_SIGNAL = signal.SIGTERM
 _URL_PORT_RE = re.compile(r":(\d+)$")
 
 
@@ -489,7 +493,7 @@ class LocalCluster:
         data_dir = self.state_dir / "etcd"
         data_dir.mkdir(mode=0o700, exist_ok=True)
         try:
-            self._etcd = EtcdServer(data_dir=data_dir)
+            self._etcd = EtcdServer(data_dir=data_dir, parent_death_signal=DEATH_SIGNAL)
             self._etcd.log_path = self.logs_dir / "etcd.log"
             self._etcd.start()
         except EtcdError as exc:
@@ -546,7 +550,8 @@ class LocalCluster:
         ready_file = self._ready_file(name)
         with contextlib.suppress(FileNotFoundError):
             ready_file.unlink()
-        proc = Child.spawn(name, argv, log_path, env=_child_env())
+        proc = Child.spawn(name, argv, log_path, env=_child_env(),
+                           parent_death_signal=DEATH_SIGNAL)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return _Child(name, proc, ready_file, time.monotonic(), run_dir=run_dir)
 

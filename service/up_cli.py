@@ -22,6 +22,7 @@ from service.prometheus import LocalPrometheus, PrometheusError, target_of
 from service.settings import SettingsError
 from service.target import default_state_dir
 from service.up import (
+    DEATH_SIGNAL,
     DEFAULT_AGENTS,
     ChildExit,
     ClusterError,
@@ -105,6 +106,7 @@ def up_command(
             directory=cluster.state_dir / "prometheus",
             log_path=cluster.logs_dir / "prometheus.log",
             ready_timeout_s=ready_timeout_s,
+            parent_death_signal=DEATH_SIGNAL,  # dies with `tidal up`, as the cluster does
         ) if with_prometheus else None
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc

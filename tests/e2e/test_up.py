@@ -13,6 +13,7 @@ agent killed with SIGKILL comes back and its node registers again. The demo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -363,3 +364,41 @@ def test_demo_shows_the_job_shrink_grow_and_shrink_and_leaves_nothing_running(
     assert "final loss" in output
     assert "never ran at size" not in output
     assert _processes_mentioning(str(state)) == []
+
+
+@pytest.mark.timeout(150)
+def test_a_sigkilled_tidal_up_takes_etcd_the_coordinator_and_the_agents_with_it(
+    tmp_path: Path, procs: ProcessGroupRegistry
+):
+    """Each child has a session of its own (so that `tidal up` can stop it as a whole),
+    which puts it out of reach of a signal to `tidal up`'s group: the kernel's
+    parent-death signal is what stops them when `tidal up` cannot."""
+    state = tmp_path / "state"
+    log_path = tmp_path / "up.log"
+    up, cluster = _start_up(state, log_path, procs, agents=1)
+    children = {"etcd": cluster["etcd_pid"], "coordinator": cluster["coordinator_pid"],
+                **{a["node_id"]: a["pid"] for a in cluster["agents"]}}
+    assert all(isinstance(pid, int) for pid in children.values()), children
+    up.send_signal(signal.SIGKILL)  # tidal up alone, not its group: nothing gets to stop them
+    up.wait(timeout=10)
+
+    def alive() -> dict[str, int]:
+        running = {}
+        for name, pid in children.items():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # gone
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                running[name] = pid
+        return running
+
+    try:
+        wait_for(lambda: not alive(), timeout=60,
+                 what="etcd, the coordinator and the agent to exit after tidal up's death")
+        wait_for(lambda: not _processes_mentioning(str(state)), timeout=30,
+                 what="no process of this cluster left (runners, zygotes)")
+    finally:
+        for pid in alive().values():  # on failure, stop what tidal up left (each its group)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
