@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import signal
@@ -32,18 +33,26 @@ REAP_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (None off Linux). Loaded once, in the parent: ``find_library``
+    runs ``ldconfig`` in a subprocess, which must not happen in a forked child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def set_parent_death_signal(sig: int) -> bool:
     """Ask the kernel to send ``sig`` to this process when the thread that created it
     exits (Linux's ``PR_SET_PDEATHSIG``); False where it is not supported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return bool(libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+    libc = _libc()
+    return libc is not None and libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def _dying_with(parent: int, sig: int) -> Callable[[], None]:
     """A ``preexec_fn``: the child gets ``sig`` when ``parent`` (this process) dies, and
     exits at once if it already has (it was re-parented before the call)."""
+    _libc()  # loaded here, before the fork; the child only calls prctl
 
     def preexec() -> None:
         if set_parent_death_signal(sig) and os.getppid() != parent:
