@@ -73,6 +73,7 @@ from checkpoints.errors import CheckpointError
 from checkpoints.files import CheckpointFileWriter
 from checkpoints.state import write_replicated
 from checkpoints.storage import CheckpointStore, jit_name
+from rendezvous import worker_env
 
 __all__ = [
     "JIT_ENV",
@@ -89,7 +90,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Set to "0" in a worker's environment to turn just-in-time saves off (benchmarks).
-JIT_ENV = "TIDAL_JIT_SAVE"
+JIT_ENV = worker_env.JIT_SAVE
 #: The runner's notice that a peer is gone (in the progress directory).
 NOTICE_NAME = "peer-lost"
 _REPORT = re.compile(r"^saving-rank-(\d+)\.json$")

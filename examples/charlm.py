@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import checkpoints as ck
 from checkpoints import nccl
+from rendezvous import worker_env
 
 log = logging.getLogger("examples.charlm")
 
@@ -72,7 +73,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_dir = os.environ.get("TIDAL_CHECKPOINT_DIR")  # the job's checkpoint_dir under tidal
+    default_dir = os.environ.get(worker_env.CHECKPOINT_DIR)  # the job's checkpoint_dir under tidal
     parser.add_argument(
         "--checkpoint-dir", type=Path, default=default_dir, required=default_dir is None,
         help="where checkpoints go (default: $TIDAL_CHECKPOINT_DIR, set by tidal)",
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--global-batch-size",
         type=int,
-        default=int(os.environ.get("TIDAL_GLOBAL_BATCH_SIZE", "64")),
+        default=int(os.environ.get(worker_env.GLOBAL_BATCH_SIZE, "64")),
         help="sequences per step over all ranks (default: $TIDAL_GLOBAL_BATCH_SIZE or 64)",
     )
     parser.add_argument("--max-local-batch", type=int, default=None)

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from rendezvous import worker_env
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument(
         "--node-name",
-        default=os.environ.get("TIDAL_NODE_ID")
+        default=os.environ.get(worker_env.NODE_ID)
         or os.environ.get("NODE_NAME")
         or os.uname().nodename,
     )
