@@ -66,6 +66,17 @@ class CoordinatorMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._add_api(registry)
+        self._add_reconcile(registry)
+        self._add_scheduling(registry)
+        self._add_etcd_writes(registry)
+        self._add_nodes(registry)
+        self._lock = threading.Lock()
+        self._assigned: dict[str, dict[str, int]] = {}  # node -> job -> generation, last pass
+        self._pending: dict[str, tuple[int, dict[str, int]]] = {}  # node -> (delete rev, assigned)
+
+    def _add_api(self, registry: CollectorRegistry) -> None:
+        """The API's requests (the middleware in service.api_common)."""
         self.requests = Counter(
             "tidal_coordinator_http_requests_total",
             "API requests by route template, method and status code.",
@@ -76,40 +87,17 @@ class CoordinatorMetrics:
             "API request latency by route template and method.",
             ["route", "method"], buckets=LATENCY_BUCKETS, registry=registry,
         )
-        self.reconcile_duration = Histogram(
-            "tidal_coordinator_reconcile_duration_seconds",
-            "Time of one reconcile pass: snapshot, plan and writes.",
-            buckets=RECONCILE_BUCKETS, registry=registry,
-        )
-        self.decisions = Counter(
-            "tidal_coordinator_scheduling_decisions_total",
-            "Assignments written (assign) and removed (release) by the scheduler.",
-            ["action"], registry=registry,
-        )
+
+    def _add_reconcile(self, registry: CollectorRegistry) -> None:
+        """The reconcile loop: leadership, each pass's time, its failures."""
         self.leader = Gauge(
             "tidal_coordinator_leader", "1 while this coordinator is the elected leader.",
             registry=registry,
         )
-        self.etcd_errors = Counter(
-            "tidal_coordinator_etcd_errors_total",
-            "etcd calls that failed, by operation.", ["op"], registry=registry,
-        )
-        self.node_departures = Counter(
-            "tidal_coordinator_node_departures_total",
-            "Node records that disappeared (lease expired or agent stopped).",
-            registry=registry,
-        )
-        self.nodes_lost = Counter(
-            "tidal_coordinator_nodes_lost_total",
-            "Departed nodes that still ran work for a job (died rather than stopped); "
-            "counted by the leader.",
-            registry=registry,
-        )
-        self.first_step = Histogram(
-            "tidal_coordinator_queue_first_step_seconds",
-            "Seconds from a job's submission to its first step (its Training condition's "
-            "first true), by queue; observed once per job by the leader.",
-            ["queue"], buckets=FIRST_STEP_BUCKETS, registry=registry,
+        self.reconcile_duration = Histogram(
+            "tidal_coordinator_reconcile_duration_seconds",
+            "Time of one reconcile pass: snapshot, plan and writes.",
+            buckets=RECONCILE_BUCKETS, registry=registry,
         )
         self.reconcile_failures = Counter(
             "tidal_coordinator_reconcile_failures_total",
@@ -128,6 +116,29 @@ class CoordinatorMetrics:
             "Unix time the last reconcile pass completed (0: none yet on this replica).",
             registry=registry,
         )
+
+    def _add_scheduling(self, registry: CollectorRegistry) -> None:
+        """What the scheduler decided, and how long jobs waited for their first step."""
+        self.decisions = Counter(
+            "tidal_coordinator_scheduling_decisions_total",
+            "Assignments written (assign) and removed (release) by the scheduler.",
+            ["action"], registry=registry,
+        )
+        for action in ("assign", "release"):
+            self.decisions.labels(action=action)
+        self.first_step = Histogram(
+            "tidal_coordinator_queue_first_step_seconds",
+            "Seconds from a job's submission to its first step (its Training condition's "
+            "first true), by queue; observed once per job by the leader.",
+            ["queue"], buckets=FIRST_STEP_BUCKETS, registry=registry,
+        )
+
+    def _add_etcd_writes(self, registry: CollectorRegistry) -> None:
+        """etcd calls that failed, and what the coordinator did about refused writes."""
+        self.etcd_errors = Counter(
+            "tidal_coordinator_etcd_errors_total",
+            "etcd calls that failed, by operation.", ["op"], registry=registry,
+        )
         self.job_write_failures = Counter(
             "tidal_coordinator_job_write_failures_total",
             "Job changes etcd refused (e.g. a request over its size limit); the pass went "
@@ -145,11 +156,20 @@ class CoordinatorMetrics:
             "hand) that it deleted.",
             registry=registry,
         )
-        for action in ("assign", "release"):
-            self.decisions.labels(action=action)
-        self._lock = threading.Lock()
-        self._assigned: dict[str, dict[str, int]] = {}  # node -> job -> generation, last pass
-        self._pending: dict[str, tuple[int, dict[str, int]]] = {}  # node -> (delete rev, assigned)
+
+    def _add_nodes(self, registry: CollectorRegistry) -> None:
+        """Nodes that went away (:meth:`node_departed`, :meth:`observe_snapshot`)."""
+        self.node_departures = Counter(
+            "tidal_coordinator_node_departures_total",
+            "Node records that disappeared (lease expired or agent stopped).",
+            registry=registry,
+        )
+        self.nodes_lost = Counter(
+            "tidal_coordinator_nodes_lost_total",
+            "Departed nodes that still ran work for a job (died rather than stopped); "
+            "counted by the leader.",
+            registry=registry,
+        )
 
     def observe_first_step(self, record: JobRecord) -> None:
         """Observe ``record``'s submit-to-first-step time if this write gave it one."""
