@@ -74,12 +74,8 @@ from checkpoints.live import (
     write_leave_notice,
     write_resize_notice,
 )
-from rendezvous.assigned import (
-    AssignedRendezvousHandler,
-    AssignmentWithdrawnError,
-    Change,
-    Fence,
-)
+from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
+from rendezvous.assigned_rounds import Change, Fence
 from rendezvous.client import EtcdClient, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import (

@@ -33,7 +33,9 @@ came back as a new incarnation), a member is leaving (a planned leave,
 :meth:`announce_leaving`), a node is waiting (a newcomer, or a member whose
 workers failed and that re-joined), or a later round was completed without
 this node. The runner (:mod:`agent.runner`) asks on every monitor
-tick; it costs no etcd call.
+tick; it costs no etcd call. The records, and what is decided from them
+(rank order, completion, obsolescence), are pure and live in
+:mod:`rendezvous.assigned_rounds`; this handler reads, probes and writes.
 
 An etcd outage does not break a running round: leases survive a restarted
 etcd, and a runner that lost its lease while etcd was unreachable puts its
@@ -53,13 +55,11 @@ again (:class:`AssignmentWithdrawnError`).
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
@@ -71,6 +71,18 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from rendezvous.assigned_rounds import (
+    Change,
+    Fence,
+    JoinRecord,
+    Member,
+    RoundRecord,
+    behind,
+    complete_round,
+    pending_change,
+    staying_peers,
+    waiting_nodes,
+)
 from rendezvous.client import Compare, Delete, EtcdClient, Put, WatchEvent
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_store import EtcdV3Store
@@ -91,103 +103,9 @@ RECORD_TTL_S = 2 * 3600
 REEVALUATE_S = 0.25
 
 
-@dataclass(frozen=True)
-class Member:
-    """A node as the rendezvous knows it: where its liveness port listens."""
-
-    node: str
-    addr: str
-    port: int
-    incarnation: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {"node": self.node, "addr": self.addr, "port": self.port,
-                "incarnation": self.incarnation}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> Member:
-        return cls(node=validate_id(str(data["node"]), what="node id"), addr=str(data["addr"]),
-                   port=int(data["port"]), incarnation=str(data["incarnation"]))  # type: ignore[call-overload]
-
-
-@dataclass(frozen=True)
-class JoinRecord:
-    """A node's wish to be in round ``round`` (or a later one).
-
-    ``leaving``: the node is on its way out (a planned leave: its assignment
-    was removed and its workers wait for the others to resize without them).
-    Such a record makes no round wait and is never a member of a new one.
-    """
-
-    member: Member
-    round: int
-    leaving: bool = False
-
-    def to_json(self) -> bytes:
-        data: dict[str, object] = {"round": self.round, **self.member.to_dict()}
-        if self.leaving:
-            data["leaving"] = True
-        return json.dumps(data).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> JoinRecord:
-        raw = json.loads(data)
-        return cls(member=Member.from_dict(raw), round=int(raw["round"]),
-                   leaving=raw.get("leaving", False) is True)
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """A completed round: its number and its members in rank order."""
-
-    round: int
-    members: tuple[Member, ...]
-
-    def nodes(self) -> tuple[str, ...]:
-        return tuple(m.node for m in self.members)
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {"round": self.round, "members": [m.to_dict() for m in self.members]}
-        ).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> RoundRecord:
-        raw = json.loads(data)
-        return cls(round=int(raw["round"]),
-                   members=tuple(Member.from_dict(m) for m in raw["members"]))
-
-
 class AssignmentWithdrawnError(RendezvousClosedError):
     """This node's assignment of the job is gone or holds another generation:
     this runner may not join a round of it again."""
-
-
-@dataclass(frozen=True)
-class Fence:
-    """The assignment a join record is valid under: its key and generation."""
-
-    key: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class Change:
-    """Why the current round is obsolete."""
-
-    kind: str  # "lost", "leaving", "waiting" or "superseded"
-    nodes: frozenset[str]
-
-
-def order_members(
-    joined: dict[str, Member], previous: RoundRecord | None, max_nodes: int
-) -> tuple[Member, ...]:
-    """Rank order for a new round: the previous round's members keep their order
-    (rank 0 stays where it was while it lives), newcomers follow by node id;
-    at most ``max_nodes``."""
-    before = [n for n in (previous.nodes() if previous else ()) if n in joined]
-    after = sorted(n for n in joined if n not in before)
-    return tuple(joined[n] for n in (before + after)[:max_nodes])
 
 
 class AssignedRendezvousHandler(RendezvousHandler):
@@ -298,7 +216,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes (newcomers, or members that re-joined) that want a later round."""
         with self._cond:
-            return len(self._waiting_locked())
+            return len(waiting_nodes(self._node, self._mine, self._joins, self._dead, self._max))
 
     def shutdown(self) -> bool:
         """Close the rendezvous for every node (the job is over) and release."""
@@ -365,45 +283,11 @@ class AssignedRendezvousHandler(RendezvousHandler):
     # what the runner asks on every tick ------------------------------------
 
     def pending_change(self) -> Change | None:
-        """Why this node's round is obsolete, or None while it holds."""
+        """Why this node's round is obsolete, or None while it holds
+        (:func:`rendezvous.assigned_rounds.pending_change`)."""
         with self._cond:
-            mine = self._mine
-            if mine is None:
-                return None
-            if self._round is not None and self._round.round > mine.round:
-                return Change("superseded", frozenset())
-            if self._lost:
-                return Change("lost", frozenset(self._lost))
-            leaving = self._leaving_locked(mine)
-            if leaving:
-                return Change("leaving", leaving)
-            waiting = self._waiting_locked()
-            if waiting:
-                return Change("waiting", waiting)
-            return None
-
-    def _leaving_locked(self, mine: RoundRecord) -> frozenset[str]:
-        """Members of this node's round whose record (this incarnation's) says leaving."""
-        return frozenset(
-            m.node for m in mine.members
-            if m.node != self._node and (j := self._joins.get(m.node)) is not None
-            and j.leaving and j.member.incarnation == m.incarnation
-        )
-
-    def _waiting_locked(self) -> frozenset[str]:
-        """Nodes that want a round after this node's: members that re-joined,
-        and newcomers while there is room for them (else a full round would
-        restart for nothing)."""
-        mine = self._mine
-        number = mine.round if mine else 0
-        nodes = mine.nodes() if mine else ()
-        room = mine is None or len(nodes) < self._max
-        return frozenset(
-            n for n, j in self._joins.items()
-            if n != self._node and j.round > number and not j.leaving
-            and j.member.incarnation not in self._dead
-            and (room or n in nodes)
-        )
+            return pending_change(self._node, self._mine, self._round, joins=self._joins,
+                                  lost=self._lost, dead=self._dead, max_nodes=self._max)
 
     def set_bounds(self, min_nodes: int, max_nodes: int) -> None:
         """Take new bounds (a PATCH rewrote the assignment in place): later rounds use them.
@@ -423,15 +307,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         """The other members of this node's round that neither left, nor were lost,
         nor announced a leave: those a planned leave of this node can resize with."""
         with self._cond:
-            mine = self._mine
-            if mine is None:
-                return frozenset()
-            return frozenset(
-                m.node for m in mine.members
-                if m.node != self._node and m.node not in self._lost
-                and (j := self._joins.get(m.node)) is not None and not j.leaving
-                and j.member.incarnation == m.incarnation
-            )
+            return staying_peers(self._node, self._mine, self._joins, self._lost)
 
     def current_round(self) -> int:
         """The number of this node's current (or last) round; 0 before its first."""
@@ -601,34 +477,25 @@ class AssignedRendezvousHandler(RendezvousHandler):
     def _complete(
         self, target: int, previous: RoundRecord | None, expected: frozenset[str]
     ) -> tuple[Member, ...] | None:
-        """The members of round ``target`` if it is complete now, else None."""
+        """The members of round ``target`` if it is complete now, else None
+        (:func:`rendezvous.assigned_rounds.complete_round`, once the nodes
+        behind it were asked whether they live)."""
         with self._cond:
             joins = dict(self._joins)
             dead = set(self._dead)
-        joined: dict[str, Member] = {}
-        pending: list[str] = []
-        for node, join in joins.items():
-            if join.member.incarnation in dead or join.leaving:
-                continue
-            if join.round >= target:
-                joined[node] = join.member
-                continue
-            # A node with an older wish: a member still running the last round,
-            # or one that died without a word. Ask its liveness port.
+        for join in behind(joins, dead, target):
             if probe(join.member.addr, join.member.port) is Probe.DEAD:
-                log.info("node %s does not answer on its liveness port: not waiting", node)
+                log.info("node %s does not answer on its liveness port: not waiting",
+                         join.member.node)
+                dead.add(join.member.incarnation)
                 with self._cond:
                     self._dead.add(join.member.incarnation)
-                continue
-            pending.append(node)
-        pending += sorted(expected - joins.keys())
-        # Our own record must be in the view: a watch that has not yet
-        # delivered it is older than our join, and would leave us out.
-        if self._node not in joined or pending or len(joined) < self._min:
-            return None
-        log.debug("round %d can complete: joined %s, expected %s",
-                  target, sorted(joined), sorted(expected))
-        return order_members(joined, previous, self._max)
+        members = complete_round(self._node, target, joins=joins, dead=dead, expected=expected,
+                                 previous=previous, min_nodes=self._min, max_nodes=self._max)
+        if members is not None:
+            log.debug("round %d can complete: %s, expected %s",
+                      target, [m.node for m in members], sorted(expected))
+        return members
 
     def _commit(self, target: int, members: tuple[Member, ...]) -> bool:
         """Write round ``target`` if nobody changed the round record meanwhile."""

@@ -17,7 +17,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError, Fence
+from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
+from rendezvous.assigned_rounds import Fence
 from rendezvous.client import EtcdClient, EtcdConfig, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import Assignment

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from rendezvous.assigned import Member, RoundRecord, order_members
+from rendezvous.assigned_rounds import Member, RoundRecord, order_members
 from rendezvous.liveness import LivenessServer, PeerMonitor, Probe, probe
 
 

@@ -28,4 +28,5 @@ def test_rendezvous_modules_import_without_torch():
     )
     assert out.returncode == 0, out.stderr
     imported = out.stdout.strip().split(",")
-    assert {"client", "keys", "errors", "etcd_server", "liveness"} <= set(imported)
+    assert {"client", "keys", "errors", "etcd_server", "liveness",
+            "assigned_rounds"} <= set(imported)
