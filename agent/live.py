@@ -5,7 +5,7 @@ scaled down or reclaimed) the workers are healthy: instead of stopping them,
 the runner forms the next rendezvous round while they train, then tells them
 the new membership, and they re-form their process group at a step boundary.
 The files the runner and its workers exchange, and their formats, have one
-home: :mod:`checkpoints.live` (the notices ``live-resize.json`` and
+home: :mod:`rendezvous.live_files` (the notices ``live-resize.json`` and
 ``live-leave.json``, each worker's ``live-<local_rank>.json``), which the
 runner reads and writes through. What the runner decides from them is here,
 as pure functions of the workers' answers, their liveness and the clock;
@@ -13,8 +13,7 @@ as pure functions of the workers' answers, their liveness and the clock;
 falls back to the restart path, and the runner says which path it took and
 why (:mod:`agent.status`: the causes are :data:`agent.runner_metrics.FALLBACK_CAUSES`).
 
-This module is the runner's (it imports torch through :mod:`checkpoints.live`);
-the agent daemon never imports it.
+This module is the runner's; it imports no torch (nor does the files' home).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from agent.runner_metrics import (
     TIMEOUT,
     WORKER_EXITED,
 )
-from checkpoints.live import LiveState, WorkerLive, read_worker_live
+from rendezvous.live_files import LiveState, WorkerLive, read_worker_live
 
 # Outcomes that are not a fallback.
 WAITING = "waiting"

@@ -44,3 +44,7 @@ class CheckpointWriteError(CheckpointError):
 
 class CheckpointStateError(CheckpointError):
     """The training state cannot be checkpointed or restored as described."""
+
+
+class LiveResizeError(CheckpointError):
+    """The live path cannot go on (the worker fails; the runner restarts the group)."""

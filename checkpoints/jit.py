@@ -57,7 +57,6 @@ import json
 import logging
 import os
 import re
-import stat
 import sys
 import threading
 import time
@@ -74,6 +73,7 @@ from checkpoints.files import CheckpointFileWriter
 from checkpoints.state import write_replicated
 from checkpoints.storage import CheckpointStore, jit_name
 from rendezvous import worker_env
+from rendezvous.live_files import read_small
 
 __all__ = [
     "JIT_ENV",
@@ -153,18 +153,6 @@ def write_report(directory: Path, report: SavingReport) -> None:
         os.replace(temp, path)
 
 
-def _read_small(path: str) -> bytes | None:
-    """A regular file of at most 4 KiB, opened without following a symlink or blocking."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > 4096:
-            return None
-        return os.read(fd, 4097)
-    finally:
-        os.close(fd)
-
-
 def read_reports(directory: Path) -> dict[int, SavingReport]:
     """Every rank's report in ``directory``, by rank (unreadable ones skipped).
 
@@ -177,7 +165,7 @@ def read_reports(directory: Path) -> dict[int, SavingReport]:
             if not _REPORT.match(entry.name):
                 continue
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                data = _read_small(entry.path)
+                data = read_small(entry.path)
                 if data is None:
                     continue
                 body = json.loads(data)

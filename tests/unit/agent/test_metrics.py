@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from agent.rundir import generation_dir, generation_dirs
 from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from agent.settings import AgentSettings
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
+from tests.support.no_torch import assert_imports_without_torch
 from tests.unit.agent.fakes import FakeEtcd
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -230,13 +229,8 @@ def test_the_daemon_counts_a_new_generation_of_a_running_job_as_scaled(tmp_path:
 
 
 def test_the_daemon_exports_metrics_without_importing_torch() -> None:
-    check = (
-        "import sys, agent.daemon, agent.metrics, agent.status, service.prometheus\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                         timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
+    assert_imports_without_torch("agent.daemon", "agent.metrics", "agent.status",
+                                 "service.prometheus")
 
 
 def test_the_path_each_membership_change_took_is_counted_over_generations(

@@ -22,9 +22,6 @@ from checkpoints.live import (
     NoticeWatch,
     ResizeNotice,
     WorkerLive,
-    _fill,
-    _slots,
-    _split,
     choose_source,
     clear_live_files,
     decide,
@@ -39,6 +36,7 @@ from checkpoints.live import (
     write_resize_notice,
     write_worker_live,
 )
+from checkpoints.live_sync import _fill, _slots, _split
 from checkpoints.progress import FileProgressReporter, NullProgressReporter
 
 
