@@ -27,23 +27,24 @@ the exit code the ``tidal`` command line exits with for it.
 
 Both clients share what a call is (:class:`service.client_calls.Call`: method,
 path, body, the model of its answer) and how an answer or a transport failure becomes a result
-or an error (:class:`_Base`); they differ only in how they send. This module
-never imports torch or the agent.
+or an error (:class:`service.client_base.ClientBase`); they differ only in how they send.
+:class:`AsyncClient` lives in :mod:`service.client_async` and is imported from here. This
+module never imports torch or the agent.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
+from service.client_async import AsyncClient
+from service.client_base import DEFAULT_TIMEOUT_S, ClientBase, T
 from service.client_calls import (
     POLL_INTERVAL_S,
     Call,
@@ -91,7 +92,6 @@ from service.errors import (
     UnauthorizedError,
     UnavailableError,
     WaitTimeoutError,
-    api_error,
     check_outcome,
     exit_code,
 )
@@ -120,91 +120,8 @@ __all__ = [
     "load_cluster", "resolve_target",
 ]
 
-DEFAULT_TIMEOUT_S = 10.0
-# A coordinator that does not accept a connection within this is down or
-# unreachable; there is no point waiting the full request timeout for it.
-MAX_CONNECT_TIMEOUT_S = 5.0
-USER_AGENT = "tidal-client"
-# Seconds without a byte (the coordinator sends a keep-alive every 15 s) before a
-# followed log is given up as a dead connection.
-LOGS_FOLLOW_READ_TIMEOUT_S = 60.0
 
-T = TypeVar("T")
-
-
-# the clients ---------------------------------------------------------------------------
-
-
-class _Base:
-    """What both clients share: configuration, headers, and turning answers into
-    results and failures into :mod:`service.errors`."""
-
-    def __init__(
-        self, url: str | None, token: str | None, *, state_dir: Path | str | None, timeout: float,
-    ) -> None:
-        target = resolve_target(url, token, None if state_dir is None else Path(state_dir))
-        self.url = target.url
-        self.target = target
-        self.timeout = timeout
-        self._headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
-        if target.token is not None:
-            self._headers["Authorization"] = f"Bearer {target.token}"
-        self._timeouts = httpx.Timeout(timeout, connect=min(timeout, MAX_CONNECT_TIMEOUT_S))
-
-    def _http_options(self) -> dict[str, Any]:
-        return {"base_url": self.url, "headers": self._headers, "timeout": self._timeouts,
-                "follow_redirects": False}
-
-    def _stream_timeouts(self, follow: bool) -> httpx.Timeout:
-        # Following, the coordinator sends an empty line after 15 s of silence:
-        # a minute without one is a dead connection, not a quiet job.
-        read = max(self.timeout, LOGS_FOLLOW_READ_TIMEOUT_S) if follow else self.timeout
-        return httpx.Timeout(self.timeout, connect=min(self.timeout, MAX_CONNECT_TIMEOUT_S),
-                             read=read)
-
-    def _transport_failure(self, exc: httpx.HTTPError) -> UnavailableError:
-        if isinstance(exc, httpx.TimeoutException):
-            return UnavailableError(f"the coordinator at {self.url} did not answer within "
-                                    f"{self.timeout:g} s ({type(exc).__name__})", status=0)
-        reason = str(exc) or type(exc).__name__
-        return UnavailableError(f"cannot reach the coordinator at {self.url}: {reason}",
-                                status=0)
-
-    def _refusal(self, response: httpx.Response) -> ApiError:
-        """The error for a non-2xx answer (its body must have been read)."""
-        status = response.status_code
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and isinstance(body.get("error"), str):
-            detail = body.get("detail")
-            return api_error(status, body["error"],
-                             detail=detail if isinstance(detail, list) else None)
-        text = " ".join(response.text.split())[:200]
-        return api_error(status, f"HTTP {status} from {self.url}" + (f": {text}" if text else ""))
-
-    def _answer(self, call: Call[T], response: httpx.Response) -> T:
-        if not response.is_success:
-            raise self._refusal(response)
-        try:
-            data = response.json()
-        except ValueError as exc:
-            raise UnavailableError(f"the coordinator at {self.url} answered {call.method} "
-                                   f"{call.path} with something that is not JSON",
-                                   status=0) from exc
-        try:
-            return call.answer.validate_python(data)
-        except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid"}
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise UnavailableError(
-                f"the coordinator at {self.url} sent an answer this client does not "
-                f"understand ({where}: {first['msg']}); are the versions the same?",
-                status=0) from exc
-
-
-class Client(_Base):
+class Client(ClientBase):
     """tidal's API over HTTP, one blocking call per method.
 
     Args:
@@ -459,175 +376,6 @@ class Client(_Base):
             ConflictError: unfinished jobs use it.
         """
         return self._run(delete_queue_call(name))
-
-
-class AsyncClient(_Base):
-    """:class:`Client`'s twin for asyncio: the same arguments, methods and errors,
-    each method awaited; :meth:`logs` is an async iterator. Use it as an async
-    context manager, or await :meth:`aclose`.
-
-    ``transport`` is an ``httpx.AsyncBaseTransport``.
-    """
-
-    def __init__(
-        self,
-        url: str | None = None,
-        token: str | None = None,
-        *,
-        state_dir: Path | str | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(url, token, state_dir=state_dir, timeout=timeout)
-        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connections."""
-        await self._http.aclose()
-
-    async def _run(self, call: Call[T]) -> T:
-        try:
-            response = await self._http.request(call.method, call.path, json=call.json,
-                                                params=call.params)
-        except httpx.HTTPError as exc:
-            raise self._transport_failure(exc) from exc
-        return self._answer(call, response)
-
-    async def submit(self, spec: JobSpec | Mapping[str, Any] | None = None, /, **fields: Any
-                     ) -> JobView:
-        """See :meth:`Client.submit`."""
-        return await self._run(submit_call(build_spec(spec, **fields)))
-
-    async def get(self, job_id: str) -> JobView:
-        """See :meth:`Client.get`."""
-        return await self._run(get_call(job_id))
-
-    async def list_page(self, *, phase: JobPhase | str | None = None, limit: int | None = None,
-                        cursor: str | None = None) -> JobList:
-        """See :meth:`Client.list_page`."""
-        return await self._run(list_page_call(phase, limit, cursor))
-
-    async def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
-                        ) -> AsyncIterator[JobView]:
-        """See :meth:`Client.iter_jobs`."""
-        cursor: str | None = None
-        seen: set[str] = set()
-        while True:
-            page = await self.list_page(phase=phase, limit=page_size, cursor=cursor)
-            for view in page.jobs:
-                yield view
-            if page.next_cursor is None or page.next_cursor in seen:
-                return
-            seen.add(page.next_cursor)
-            cursor = page.next_cursor
-
-    async def list(self, *, phase: JobPhase | str | None = None) -> builtins.list[JobView]:
-        """See :meth:`Client.list`."""
-        return [view async for view in self.iter_jobs(phase=phase)]
-
-    async def wait(
-        self, job_id: str, *, timeout: float | None = None, check: bool = False,
-        poll_interval: float = POLL_INTERVAL_S,
-    ) -> JobView:
-        """See :meth:`Client.wait`."""
-        loop = asyncio.get_running_loop()
-        waiter = Waiter(job_id, loop.time(), timeout)
-        while True:
-            try:
-                if waiter.seen(await self.get(job_id)):
-                    assert waiter.last is not None
-                    return check_outcome(waiter.last) if check else waiter.last
-            except ApiError as exc:
-                waiter.failed(exc, loop.time())
-            waiter.check_deadline(loop.time())
-            await asyncio.sleep(poll_interval)
-
-    async def logs(
-        self, job_id: str, *, node: str | None = None, rank: int | None = None,
-        tail: int | None = None, follow: bool = False,
-    ) -> AsyncIterator[str]:
-        """The job's workers' output, a line at a time, each prefixed ``[NODE rRANK] ``.
-
-        Args:
-            job_id: the job.
-            node: only this node's workers.
-            rank: only this rank.
-            tail: only the last ``tail`` lines of each worker's output.
-            follow: keep yielding new lines until the job ends.
-
-        A node that is gone is said in a line starting ``[tidal] ``.
-
-        Raises:
-            NotFoundError: there is no such job.
-            UnavailableError: the coordinator could not be reached, or the
-                stream broke off.
-        """
-        params = logs_params(node=node, rank=rank, tail=tail, follow=follow)
-        try:
-            async with self._http.stream(
-                "GET", job_path(job_id, "/logs"), params=params,
-                headers={"Accept": "text/plain"}, timeout=self._stream_timeouts(follow),
-            ) as response:
-                if not response.is_success:
-                    await response.aread()
-                    raise self._refusal(response)
-                async for line in response.aiter_lines():
-                    if line:  # an empty line is the coordinator's keep-alive (service.logs)
-                        yield line
-        except httpx.HTTPError as exc:
-            raise self._transport_failure(exc) from exc
-
-    async def events(self, job_id: str) -> EventList:
-        """See :meth:`Client.events`."""
-        return await self._run(events_call(job_id))
-
-    async def scale(self, job_id: str, *, min_nodes: int | None = None,
-                    max_nodes: int | None = None) -> JobView:
-        """See :meth:`Client.scale`."""
-        return await self._run(scale_call(job_id, min_nodes, max_nodes))
-
-    async def cancel(self, job_id: str) -> JobView:
-        """See :meth:`Client.cancel`."""
-        return await self._run(cancel_call(job_id))
-
-    async def nodes(self) -> builtins.list[NodeView]:
-        """See :meth:`Client.nodes`."""
-        return await self._run(nodes_call())
-
-    async def drain(self, node_id: str) -> NodeView:
-        """See :meth:`Client.drain`."""
-        return await self._run(drain_call(node_id, on=True))
-
-    async def undrain(self, node_id: str) -> NodeView:
-        """See :meth:`Client.undrain`."""
-        return await self._run(drain_call(node_id, on=False))
-
-    async def queues(self) -> QueueList:
-        """See :meth:`Client.queues`."""
-        return await self._run(queues_call())
-
-    async def create_queue(self, name: str, *, guaranteed: int = 0, limit: int | None = None,
-                           weight: float = 1.0) -> QueueChanged:
-        """See :meth:`Client.create_queue`."""
-        return await self._run(create_queue_call(name, guaranteed=guaranteed, limit=limit,
-                                                 weight=weight))
-
-    async def update_queue(self, name: str, **changes: Any) -> QueueChanged:
-        """See :meth:`Client.update_queue`."""
-        return await self._run(update_queue_call(name, changes))
-
-    async def delete_queue(self, name: str) -> QueueView:
-        """See :meth:`Client.delete_queue`."""
-        return await self._run(delete_queue_call(name))
 
 
 # The command line's older name for the blocking client.
