@@ -1,4 +1,4 @@
-"""Whom a job's rendezvous round waits for (agent.runner.assigned_nodes), on a real etcd."""
+"""Whom a job's rendezvous round waits for (agent.runner_setup.assigned_nodes), on a real etcd."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.runner import assigned_nodes
+from agent.runner_setup import assigned_nodes
 from rendezvous.client import EtcdClient
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry

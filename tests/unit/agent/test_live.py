@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent import live
-from agent.runner import resize_reason
 from agent.runner_metrics import (
     FALLBACK_CAUSES,
     MEMBERSHIP_CHANGED,
@@ -112,9 +110,3 @@ def test_a_live_resize_waits_only_before_its_deadline_and_only_while_nothing_wen
     assert (result == live.DONE) == (
         len(states) == 4 and all(s == LiveState.RESIZED for s in states.values()))
 
-
-@pytest.mark.parametrize(("kind", "reason"), [
-    ("waiting", "join"), ("leaving", "leave"), ("lost", "lost"), ("superseded", "lost"),
-])
-def test_a_change_kind_names_its_resize_reason(kind: str, reason: str) -> None:
-    assert resize_reason(kind) == reason
