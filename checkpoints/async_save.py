@@ -5,8 +5,14 @@ tensor of the state into buffers it keeps from one save to the next (pinned
 host memory when the state lives on a GPU). Allocating fresh buffers each time
 costs more than the copy itself on CPU (page faults on hundreds of MB), which
 is why they are kept; the checkpointer has another thread allocate and fault
-them in before its first save (:meth:`StateSnapshot.prepare`), so that even
-that save only copies.
+them in (or pin them) before its first save (:meth:`StateSnapshot.prepare`),
+so that even that save only copies.
+
+State on a CUDA device, with the optimizer given to the snapshot, is not even
+waited for: the device-to-host copy runs on a side stream while the next
+forward and backward run, and an optimizer pre-step hook orders the next step
+after it (:mod:`checkpoints.gpu_copy`); the writer waits for the copy
+(:meth:`StateSnapshot.wait`) before it reads the buffers.
 
 :class:`BackgroundWriter` then runs serialization, checksumming and disk writes
 in one thread whose scheduling priority is lowered (Linux priorities are per
@@ -35,8 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from checkpoints.errors import CheckpointStateError
+from checkpoints.gpu_copy import CopyPath, SideStreamCopy, copy_path, stable_tensors
 
 __all__ = ["WRITER_NICE", "BackgroundWriter", "StateSnapshot", "run_in_background"]
 
@@ -76,20 +84,48 @@ class StateSnapshot:
     the background writer releases it once ``torch.save`` is done with the
     buffers, and a :meth:`take` before that raises rather than overwrite a save
     in flight.
+
+    With ``optimizer`` given, a state on one CUDA device is copied on a side
+    stream (:data:`~checkpoints.gpu_copy.CopyPath.SIDE_STREAM`): :meth:`take`
+    returns before the copy is done, the first such take registers a pre-step
+    hook on the optimizer that orders its steps after the copy in flight, and
+    :meth:`close` removes it. Whoever reads the buffers calls :meth:`wait` first.
+
+    Args:
+        model: the model whose parameters are in the state (tensors that only
+            the optimizer's step changes are copied as they are; others, such as
+            module buffers, are cloned on the training stream first).
+        optimizer: the optimizer whose step may change the state's tensors; None:
+            device tensors are copied and waited for before :meth:`take` returns.
+        stage_on_device: on the side-stream path, clone the whole state into
+            reused device buffers first (one more copy of it in device memory),
+            so that the optimizer's step never waits for the device-to-host copy.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        stage_on_device: bool = False,
+    ) -> None:
         self._key: _Layout | None = None
         self._buffers: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
         self._pinned = False
         self._held = threading.Lock()  # taken, not yet released (by the writer thread)
         self._swap = threading.Lock()  # a prepare job installs its buffers under this
+        self._model, self._optimizer = model, optimizer
+        self._copier = SideStreamCopy(stage_on_device=stage_on_device)
+        self._guard: RemovableHandle | None = None  # the optimizer's pre-step hook
+        #: The way the last :meth:`take` copied (None before the first).
+        self.path: CopyPath | None = None
 
     def take(self, tree: Any) -> Any:
         """Return a copy of ``tree`` whose tensors live in this snapshot's buffers.
 
         The result stays valid until :meth:`release`; the snapshot is held until then.
+        On the side-stream path its values are there only once :meth:`wait` returned.
 
         Raises:
             CheckpointStateError: when a leaf is of a type a checkpoint cannot hold.
@@ -120,7 +156,7 @@ class StateSnapshot:
 
         Returns:
             The job, or None when there is nothing to prepare: the buffers already
-            fit, or the state is on a GPU (its pinned buffers come with the first take).
+            fit, or the state is on a device other than the CPU without CUDA.
 
         Raises:
             CheckpointStateError: when a leaf is of a type a checkpoint cannot hold.
@@ -128,27 +164,46 @@ class StateSnapshot:
         tensors: list[torch.Tensor] = []
         _flatten(tree, tensors, "state")
         key = _layout(tensors)
-        if key == self._key or any(t.device.type != "cpu" for t in tensors):
+        on_device = any(t.device.type != "cpu" for t in tensors)
+        pin = _pin(on_device)
+        if (key, pin) == (self._key, self._pinned) or on_device != pin:
             return None
 
         def job() -> None:
-            buffers, views = _build(key, pin=False)
+            # Pinned pages are resident from the start (cudaHostAlloc); the others
+            # are faulted in here rather than in the first take (ctypes releases
+            # the GIL, so training threads keep running meanwhile).
+            buffers, views = _build(key, pin=pin)
             for buffer in buffers:
-                # The page faults happen here rather than in the first take; ctypes
-                # releases the GIL, so training threads keep running meanwhile.
-                if buffer.numel():
+                if buffer.numel() and not pin:
                     ctypes.memset(buffer.data_ptr(), 0, buffer.numel() * buffer.element_size())
             with self._swap:
-                if self._key != key and not self._held.locked():
-                    self._key, self._buffers, self._views, self._pinned = key, buffers, views, False
+                if (self._key, self._pinned) != (key, pin) and not self._held.locked():
+                    self._key, self._buffers, self._views, self._pinned = key, buffers, views, pin
                     log.debug("snapshot buffers prepared: %d bytes", self.nbytes)
 
         return job
 
+    def wait(self) -> None:
+        """Block until the taken snapshot's values are all in the buffers.
+
+        Only the side-stream path leaves copies in flight after :meth:`take`;
+        safe to call from another thread than the one that took the snapshot.
+        """
+        self._copier.wait()
+
     def release(self) -> None:
         """Let the next :meth:`take` reuse the buffers (the save that read them is done)."""
+        self._copier.wait()  # no copy may still be landing in them
         if self._held.locked():
             self._held.release()
+
+    def close(self) -> None:
+        """No more takes: wait for a copy in flight and remove the optimizer's hook."""
+        self._copier.wait()
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
     @property
     def held(self) -> bool:
@@ -162,8 +217,12 @@ class StateSnapshot:
 
     def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         key = _layout(tensors)
-        on_device = any(t.device.type != "cpu" for t in tensors)
-        pin = on_device and torch.cuda.is_available()
+        path = copy_path(
+            (t.device for t in tensors),
+            guarded=self._optimizer is not None,
+            cuda_available=torch.cuda.is_available(),
+        )
+        pin = _pin(path is not CopyPath.HOST)
         if key != self._key or pin != self._pinned:
             self._key, self._buffers, self._views = None, [], []  # free the old ones first
             self._buffers, self._views = _build(key, pin=pin)
@@ -172,12 +231,25 @@ class StateSnapshot:
         # Shape the destination like the source (never reshape the source: for a
         # non-contiguous tensor that would be one more full copy).
         views = [v.view(t.shape) for v, t in zip(self._views, tensors, strict=True)]
+        self.path = path
+        if path is CopyPath.SIDE_STREAM:
+            assert self._optimizer is not None  # copy_path: only when guarded
+            if self._guard is None:
+                self._guard = self._copier.guard(self._optimizer)
+            stable = stable_tensors(self._model, self._optimizer)
+            self._copier.start(tensors, views, stable=stable)
+            return views
         with torch.no_grad():
             for view, source in zip(views, tensors, strict=True):
                 view.copy_(source, non_blocking=pin)
         if pin:
             torch.cuda.synchronize()
         return views
+
+
+def _pin(on_device: bool) -> bool:
+    """Whether the host buffers of a state are pinned: it is on a device, and CUDA is there."""
+    return on_device and torch.cuda.is_available()
 
 
 def _build(key: _Layout, *, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -199,7 +199,9 @@ class Checkpointer:
         self._direct_io = direct_io
         self._store = CheckpointStore(directory)
         self._init_distributed()
-        self._snapshot = StateSnapshot()  # model and optimizer
+        # Model and optimizer: on a GPU, copied on a side stream that the optimizer's
+        # next step is ordered after (checkpoints.gpu_copy).
+        self._snapshot = StateSnapshot(model=model, optimizer=optimizer)
         self._small_snapshot = StateSnapshot()  # the rest: step, RNG, scheduler, extras
         self._writer = BackgroundWriter()
         scheduled = every_steps is not None or every_seconds is not None
@@ -517,6 +519,7 @@ class Checkpointer:
         if self._jit is not None:
             self._jit.disarm()
         self._writer.wait()
+        self._snapshot.close()  # the optimizer's pre-step hook goes
         self._poll_writer()
         if self._consensus is not None:
             self._consensus.drain()
@@ -758,6 +761,7 @@ class Checkpointer:
 
         def job() -> None:
             try:
+                self._snapshot.wait()  # the device-to-host copy in flight, if any
                 path, manifest = write_replicated(
                     self._store, tree, step=step, world_size=self.world_size, started=started,
                     epoch=self._epoch,
