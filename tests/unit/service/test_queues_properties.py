@@ -31,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from rendezvous.records import JobNodeState
 from service.models import JobPhase, JobRecord
-from service.scheduler import ClusterView, Decision, Policy, _order
+from service.scheduler import ClusterView, Decision, Policy
+from service.scheduler_types import job_order as _order
 from tests.unit.service.sim import Sim, Work, Workload, make_job, make_node
 from tests.unit.service.test_scheduler_properties import check_pass
 
