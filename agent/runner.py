@@ -9,7 +9,9 @@ changes, in :class:`TidalElasticAgent`:
   to the restart budget, and a dead peer makes the survivors' workers fail.
   Here a failure is charged only if the new rendezvous round has the same
   members as the last one; when a peer left or joined, it is counted as a
-  ``node_lost`` / ``membership_changed`` restart instead;
+  ``node_lost`` / ``membership_changed`` restart instead. What a failure or a
+  change costs, and what the runner does next, is decided by the pure
+  functions of :mod:`agent.restarts`; the monitor loop here carries it out;
 * **leaving is not ending.** On SIGTERM (the assignment was removed, or the
   node drains) the workers get SIGTERM, then SIGKILL after the grace period,
   and the runner leaves the rendezvous without closing it, so the other nodes
@@ -51,26 +53,26 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from agent import live, rundir
-from agent.admission import record_nodes
+from agent import live, restarts, rundir
 from agent.bounds import BoundsFollower
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
+from agent.restarts import Action
 from agent.runner_metrics import (
     LIVE,
-    MEMBERSHIP_CHANGED,
     NOT_ANNOUNCED,
     NOT_CAPABLE,
     RESTART,
     RUNNER_METRICS_FILE,
 )
-from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec, job_command
+from agent.runner_setup import initial_status, make_handler, make_worker_spec
+from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import StatusReporter
 from agent.zygote import ZygoteProcess
 from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
 from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
-from rendezvous.assigned_rounds import Change, Fence
-from rendezvous.client import EtcdClient, create_client
+from rendezvous.assigned_rounds import WAITING, Change
+from rendezvous.client import create_client
 from rendezvous.keys import Keys
 from rendezvous.live_files import (
     ResizeNotice,
@@ -80,7 +82,6 @@ from rendezvous.live_files import (
 )
 from rendezvous.records import (
     JobNodeState,
-    JobNodeStatus,
     RestartReason,
     WorkerError,
 )
@@ -105,48 +106,6 @@ ZYGOTE_READY_TIMEOUT_S = 60.0
 LIVE_TIMEOUT_S = 60.0
 LIVE_POLL_S = 0.02
 LEAVE_MARGIN_S = 5.0
-# Changes of a healthy group: the live path is tried for these.
-PLANNED = ("waiting", "leaving")
-
-
-def resize_reason(kind: str) -> str:
-    """A membership change's reason label (agent.runner_metrics.RESIZE_REASONS) from its kind."""
-    return {"waiting": "join", "leaving": "leave"}.get(kind, "lost")
-
-
-def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
-    """The registered nodes the coordinator assigned ``job_id`` to: whom a round waits for.
-
-    They are read from the job's record (``jobs/<job>``, which only the
-    coordinator writes; :func:`agent.admission.record_nodes`), not from the
-    ``assignments/`` keys: an assignment written by anyone else on another
-    node (one its agent never runs) would make every round wait
-    ``assigned_wait`` for a node that never joins. The record names a node as
-    soon as the coordinator places the job there, at the generation its
-    assignment is to hold, even when a large job's assignments are written
-    after it.
-    """
-    record = client.get(keys.job(job_id))
-    assigned = set(record_nodes(job_id, None if record is None else record.value))
-    if not assigned:
-        return assigned
-    live, _ = client.get_prefix(keys.nodes_prefix())
-    registered = {node for kv in live if (node := keys.node_of(kv.key)) is not None}
-    return assigned & registered
-
-
-def membership_reason(old: frozenset[str], new: frozenset[str]) -> RestartReason | None:
-    """Why a restart happened, judged by the rounds' members: None if they are the same.
-
-    A peer that vanished makes the survivors' workers fail and, seen from
-    another survivor, shows up as a node "waiting to join" (the survivor that
-    noticed first re-joins). Only the membership diff tells the two apart.
-    """
-    if not old or not new or old == new:
-        return None
-    if old - new and new - old:
-        return RestartReason.MEMBERSHIP_CHANGED
-    return RestartReason.NODE_LOST if old - new else RestartReason.NODE_JOINED
 
 
 def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> WorkerError | None:
@@ -207,11 +166,12 @@ class TidalElasticAgent(LocalElasticAgent):
             raise TypeError("TidalElasticAgent needs an AssignedRendezvousHandler")
         self._handler: AssignedRendezvousHandler = spec.rdzv_handler
         self._reporter = reporter
-        # The job's worker-failure budget. torch's own ``_remaining_restarts``
-        # is decremented on *every* restart instead, membership changes
-        # included, because torch derives TORCHELASTIC_RESTART_COUNT and the
-        # log directory (``attempt_N``) from it: otherwise each restart after a
-        # lost or joining node would overwrite the previous attempt's logs.
+        # The job's worker-failure budget, charged as agent.restarts decides.
+        # torch's own ``_remaining_restarts`` is decremented on *every*
+        # restart instead, membership changes included, because torch derives
+        # TORCHELASTIC_RESTART_COUNT and the log directory (``attempt_N``)
+        # from it: otherwise each restart after a lost or joining node would
+        # overwrite the previous attempt's logs.
         self._budget = spec.max_restarts
         # How long stopped workers get between SIGTERM and SIGKILL. A group
         # restarted because a worker or a peer failed is stuck in a collective
@@ -297,6 +257,7 @@ class TidalElasticAgent(LocalElasticAgent):
             raise
 
     def _run_group(self) -> RunResult:
+        """torch's monitor loop, with tidal's decisions (agent.restarts) where it meets an event."""
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
         members = self._handler.participants()
@@ -310,63 +271,68 @@ class TidalElasticAgent(LocalElasticAgent):
                 self._exit_barrier()  # type: ignore[no-untyped-call]
                 return result
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
-                stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
-                self._notice_recovery()
-                self._reporter.count_exits(f.exitcode for f in result.failures.values())
-                self._reporter.update(error=root_cause(result.failures, stderrs))
-                self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
-                self._stop_workers(self._worker_group)
-                self._worker_group.state = WorkerState.STOPPED
-                self._rendezvous(self._worker_group)
-                new_members = self._handler.participants()
-                reason = membership_reason(members, new_members)
-                self._reporter.count_restart(reason or RestartReason.WORKER_FAILED)
-                if reason is not None:
-                    joined = reason == RestartReason.NODE_JOINED
-                    self._reporter.count_resize(RESTART, "join" if joined else "lost")
-                    log.info("a peer left or joined: restarting without charging the budget")
-                elif self._budget > 0:
-                    self._budget -= 1
-                else:
-                    log.error("worker group failed and the restart budget is spent")
-                    self._handler.leave()
-                    self._worker_group.state = WorkerState.FAILED
+                new_members = self._after_failure(result, members)
+                if new_members is None:
                     return result
                 members = new_members
-                self._remaining_restarts -= 1  # the next attempt: see __init__
-                self._start_group()
                 continue
             change = self._handler.pending_change()
-            if change is None:
-                continue
-            fallback = None
-            if change.kind in PLANNED:
-                fallback = self._live_blocker()
-                if fallback is None:
-                    members = self._live_resize(change, members)
-                    continue
-            self._notice_recovery()
-            if change.kind in PLANNED:
-                # A healthy group: give the workers their grace to checkpoint.
-                log.info("node(s) %s %s: restarting the group (%s)",
-                         ", ".join(sorted(change.nodes)),
-                         "waiting to join" if change.kind == "waiting" else "leaving", fallback)
-                self._stop_timeout_s = self._grace_s
-            else:
-                # A peer is gone (or the others went on without us): the group
-                # is broken and its collectives will not complete.
-                log.warning("peer(s) %s lost (%s): restarting without them",
-                            ", ".join(sorted(change.nodes)) or "-", change.kind)
-                self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
-            self._remaining_restarts -= 1
-            self._restart_workers(self._worker_group)
-            new_members = self._handler.participants()
-            default = (RestartReason.NODE_JOINED if change.kind == "waiting"
-                       else RestartReason.NODE_LOST)
-            self._reporter.count_restart(membership_reason(members, new_members) or default)
-            self._reporter.count_resize(RESTART, resize_reason(change.kind), fallback)
-            members = new_members
-            self._report_running()
+            if change is not None:
+                members = self._after_change(change, members)
+
+    def _after_failure(self, result: RunResult, members: frozenset[str]) -> frozenset[str] | None:
+        """The group failed: stop it, form the next round, then restart it or fail
+        (:func:`agent.restarts.after_failure`). Returns the new round's members,
+        None when the job fails here."""
+        stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
+        self._notice_recovery()
+        self._reporter.count_exits(f.exitcode for f in result.failures.values())
+        self._reporter.update(error=root_cause(result.failures, stderrs))
+        self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.STOPPED
+        self._rendezvous(self._worker_group)
+        new_members = self._handler.participants()
+        step = restarts.after_failure(self._budget, members, new_members)
+        self._budget = step.budget
+        self._reporter.count_restart(step.reason or RestartReason.WORKER_FAILED)
+        if step.action is Action.FAIL:
+            log.error("worker group failed and the restart budget is spent")
+            self._handler.leave()
+            self._worker_group.state = WorkerState.FAILED
+            return None
+        if step.resize is not None:
+            self._reporter.count_resize(RESTART, step.resize)
+            log.info("a peer left or joined: restarting without charging the budget")
+        self._remaining_restarts -= 1  # the next attempt: see __init__
+        self._start_group()
+        return new_members
+
+    def _after_change(self, change: Change, members: frozenset[str]) -> frozenset[str]:
+        """This node's round is obsolete: resize live, or restart the group
+        (:func:`agent.restarts.for_change`). Returns the new round's members."""
+        step = restarts.for_change(change.kind, self._budget, self._live_blocker)
+        if step.action is Action.LIVE:
+            return self._live_resize(change, members)
+        self._notice_recovery()
+        nodes = ", ".join(sorted(change.nodes)) or "-"
+        if step.broken:
+            # A peer is gone (or the others went on without us): the group
+            # is broken and its collectives will not complete.
+            log.warning("peer(s) %s lost (%s): restarting without them", nodes, change.kind)
+            self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
+        else:
+            # A healthy group: give the workers their grace to checkpoint.
+            log.info("node(s) %s %s: restarting the group (%s)", nodes,
+                     "waiting to join" if change.kind == WAITING else "leaving", step.fallback)
+            self._stop_timeout_s = self._grace_s
+        self._remaining_restarts -= 1
+        self._restart_workers(self._worker_group)
+        new_members = self._handler.participants()
+        self._reporter.count_restart(restarts.restart_reason(change.kind, members, new_members))
+        self._reporter.count_resize(RESTART, step.resize or "lost", step.fallback)
+        self._report_running()
+        return new_members
 
     # the live path (agent.live) --------------------------------------------------------
 
@@ -384,14 +350,14 @@ class TidalElasticAgent(LocalElasticAgent):
         """Form the next round with the workers running, and have them re-form their group.
 
         Falls back to restarting the group (in the round just formed) when the
-        workers do not all answer in time. Returns the new round's members.
+        workers do not all answer in time (:func:`agent.restarts.after_live`).
+        Returns the new round's members.
         """
         assert self._progress_dir is not None
         group = self._worker_group
-        reason = resize_reason(change.kind)
         noticed_at, noticed = time.time(), time.monotonic()
         log.info("node(s) %s %s: resizing the group live", ", ".join(sorted(change.nodes)),
-                 "waiting to join" if change.kind == "waiting" else "leaving")
+                 "waiting to join" if change.kind == WAITING else "leaving")
         ids = {w.local_rank: w.id for w in group.workers}
         # Until it is decided: a SIGTERM meanwhile takes today's path (the flag
         # stays set when an exception leaves from here).
@@ -401,26 +367,26 @@ class TidalElasticAgent(LocalElasticAgent):
             worker.id = ids.get(worker.local_rank)
         new_members = self._handler.participants()
         round_ = self._handler.current_round()
-        outcome = self._tell_and_await(round_)
+        step = restarts.after_live(change.kind, self._budget, self._tell_and_await(round_))
         self._resizing = False
-        if outcome == live.DONE:
+        reason = step.resize or "lost"
+        if step.action is Action.LIVE:
             seconds = time.monotonic() - noticed
             log.info("the workers resized into round %d live in %.2f s", round_, seconds)
             self._reporter.count_resize(LIVE, reason, seconds=seconds)
             self._report_running()
             return new_members
         log.warning("the live resize into round %d did not complete (%s): restarting the group",
-                    round_, outcome)
+                    round_, step.fallback)
         self._notice_recovery(at=noticed_at)
         self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
         self._stop_workers(group)
         group.state = WorkerState.STOPPED
-        if outcome == MEMBERSHIP_CHANGED:  # the round just formed is obsolete already
+        if step.rejoin:  # the round just formed is obsolete already
             self._rendezvous(group)
             new_members = self._handler.participants()
-        default = RestartReason.NODE_JOINED if change.kind == "waiting" else RestartReason.NODE_LOST
-        self._reporter.count_restart(membership_reason(members, new_members) or default)
-        self._reporter.count_resize(RESTART, reason, outcome)
+        self._reporter.count_restart(restarts.restart_reason(change.kind, members, new_members))
+        self._reporter.count_resize(RESTART, reason, step.fallback)
         self._remaining_restarts -= 1  # the next attempt: see __init__
         self._start_group()
         return new_members
@@ -451,7 +417,7 @@ class TidalElasticAgent(LocalElasticAgent):
             outcome = live.resize_outcome(
                 live.read_workers(self._progress_dir, local_ranks), local_ranks, round_,
                 exited=not all(_alive(pid) for pid in self._pcontext.pids().values()),
-                superseded=change is not None and change.kind not in PLANNED,
+                superseded=change is not None and change.kind not in restarts.PLANNED,
                 now=time.monotonic(), deadline=deadline,
             )
             if outcome != live.WAITING:
@@ -540,66 +506,6 @@ def _ignore_stop_requests() -> None:
     zygote's close. The daemon SIGKILLs a runner that lingers past its grace.
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:
-    """The first status record of a runner: a fresh one, or its dead predecessor's, going on."""
-    job = spec.assignment
-    if spec.prior is not None:
-        return spec.prior.model_copy(update={
-            "state": JobNodeState.STARTING, "world_size": 0, "ranks": [], "pid": pid,
-            "devices": spec.devices or [],
-        })
-    return JobNodeStatus(
-        job_id=job.job_id,
-        node_id=spec.node_id,
-        generation=job.generation,
-        state=JobNodeState.STARTING,
-        remaining_restarts=job.max_restarts,
-        devices=spec.devices or [],
-        pid=pid,
-    )
-
-
-def make_handler(spec: RunnerSpec, client: EtcdClient, keys: Keys) -> AssignedRendezvousHandler:
-    """The job's rendezvous on this node, fenced by its assignment (rendezvous.assigned)."""
-    job = spec.assignment
-    conf = job.rdzv_conf
-    return AssignedRendezvousHandler(
-        client,
-        run_id=job.job_id,
-        node_id=spec.node_id,
-        addr=spec.address,
-        min_nodes=job.min_nodes,
-        max_nodes=job.max_nodes,
-        root=spec.etcd.root,
-        expected_nodes=lambda: assigned_nodes(client, keys, job.job_id),
-        assigned_wait_s=float(conf.get("assigned_wait", 30)),
-        lease_ttl_s=spec.lease_ttl_s,
-        join_timeout_s=float(conf.get("join_timeout", 600)),
-        fence=Fence(keys.assignment(spec.node_id, job.job_id), job.generation),
-    )
-
-
-def make_worker_spec(spec: RunnerSpec, handler: AssignedRendezvousHandler, *,
-                     remaining_restarts: int) -> WorkerSpec:
-    """torch elastic's description of the worker group: every worker through the shim.
-
-    ``remaining_restarts``: what is left of the budget, less than the job's after
-    this generation's runner died here (agent.supervise).
-    """
-    job = spec.assignment
-    return WorkerSpec(
-        role="trainer",
-        local_world_size=job.nproc_per_node,
-        entrypoint=sys.executable,
-        args=("-m", "agent.worker_shim", str(os.getpid()), "--",
-              *job_command(job.command, sys.executable)),
-        rdzv_handler=handler,
-        max_restarts=remaining_restarts,
-        monitor_interval=0.1,
-        local_addr=spec.address,
-    )
 
 
 def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -> int:
