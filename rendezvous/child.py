@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -158,15 +159,31 @@ class Child:
         Idempotent. Returns the child's exit status (None only if it could
         not be reaped even after SIGKILL).
         """
-        if self.process.poll() is None:
-            self.signal(signal.SIGTERM)
-            if self.wait(timeout_s) is None:
-                log.warning("%s (pid %d) did not stop within %g s; killing it",
-                            self.name, self.pid, timeout_s)
-        self.signal(signal.SIGKILL)  # anything left in the group
-        return self.wait(REAP_TIMEOUT_S)
+        return stop_all([self], timeout_s)[0]
 
     def kill(self) -> int | None:
         """SIGKILL the group at once (a crash, for fault tests) and reap the child."""
         self.signal(signal.SIGKILL)
         return self.wait(REAP_TIMEOUT_S)
+
+
+def stop_all(children: Sequence[Child], timeout_s: float) -> list[int | None]:
+    """Stop several children at once, each as :meth:`Child.stop` does: SIGTERM to
+    every group whose child still runs, one wait of up to ``timeout_s`` for them
+    all, then SIGKILL to whatever is left of each group, and each child reaped.
+
+    Returns:
+        Each child's exit status, in order (None where it could not be reaped).
+    """
+    for child in children:
+        if child.poll() is None:
+            child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    codes: list[int | None] = []
+    for child in children:
+        if child.wait(max(0.0, deadline - time.monotonic())) is None:
+            log.warning("%s (pid %d) did not stop within %g s; killing it",
+                        child.name, child.pid, timeout_s)
+        child.signal(signal.SIGKILL)  # anything left in the group
+        codes.append(child.wait(REAP_TIMEOUT_S))
+    return codes

@@ -31,190 +31,64 @@ The coordinator must stay torch-free and so must this module: agents are never
 imported here, they run as ``python -m service.cli agent`` subprocesses.
 
 The children are configured by their flags only: every ``TIDAL_*`` variable is
-removed from their environment, so one meant for this shell (``TIDAL_TOKEN``,
-``TIDAL_PORT``, ...) cannot reconfigure them, and no job's workers inherit the
-API token.
+removed from their environment (:func:`service.up_children.child_env`), so one
+meant for this shell (``TIDAL_TOKEN``, ``TIDAL_PORT``, ...) cannot reconfigure
+them, and no job's workers inherit the API token.
 
-The state directory::
-
-    STATE/token          the API token (mode 0600)
-    STATE/cluster.json   what runs now; removed on a clean stop
-    STATE/etcd/          etcd's data, kept: jobs outlive a restart of `tidal up`
-    STATE/etcd-auth/     etcd passwords: root, tidal-coordinator, tidal-agent
-                         (directory 0700, files 0600); kept with etcd's data
-    STATE/logs/          etcd.log, coordinator.log, node-<i>.log
-    STATE/run/node-<i>/  each agent's run directory (its jobs' worker logs)
-    STATE/run/<name>.ready.json  each child's ready file (service/ready.py)
-    STATE/checkpoints/   the default checkpoint root
-    STATE/prometheus/    with --prometheus: its configuration, agent targets and data
-                         (service/prometheus.py); its output in STATE/logs/prometheus.log
+The state directory's layout and its preparation are :mod:`service.up_state`'s;
+the children (a :class:`rendezvous.child.Child` each, with what the supervisor
+keeps about it), the restart policy and the waits that watch the children are
+:mod:`service.up_children`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
 import secrets
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
-from rendezvous.child import Child
+from rendezvous.child import stop_all
 from rendezvous.client import EtcdConfig
 from rendezvous.errors import EtcdError
-from rendezvous.etcd_auth import (
-    AGENT_USER,
-    COORDINATOR_USER,
-    ROOT_USER,
-    USERS,
-    enable_auth,
-    find_etcdctl,
-)
+from rendezvous.etcd_auth import ROOT_USER, USERS, enable_auth, find_etcdctl
 from rendezvous.etcd_server import EtcdServer
 from rendezvous.keys import DEFAULT_ROOT
-from service.ready import ReadyFile, read_ready, write_atomically
-from service.target import CLUSTER_FILE, AgentEntry, ClusterFile
+from service.ready import write_atomically
+from service.target import AgentEntry, ClusterFile
+from service.up_children import (
+    DEATH_SIGNAL,
+    ChildExit,
+    ClusterError,
+    RestartPolicy,
+    StartCancelledError,
+    SupervisedChild,
+    wait_until,
+)
+from service.up_state import ChildCommands, StateDir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENTS = 3
 LEASE_TTL_S = 3
-TOKEN_FILE = "token"  # noqa: S105 (a file name, not a secret)
 HTTP_TIMEOUT_S = 5.0
 COORDINATOR_STOP_S = 10.0
-ETCD_AUTH_DIR = "etcd-auth"
 SUPERVISE_INTERVAL_S = 0.2
-# What each child gets from the kernel when `tidal up` dies without stopping it
-# (SIGKILL): its own session puts it out of reach of a signal to our group.
-# SIGTERM: an agent still stops its runners, whose workers save.
-DEATH_SIGNAL = signal.SIGTERM
 _URL_PORT_RE = re.compile(r":(\d+)$")
 
-
-class ClusterError(Exception):
-    """The local cluster could not start, or lost a part it cannot run without."""
-
-
-class StartCancelledError(ClusterError):
-    """:meth:`LocalCluster.start` was told to give up (Ctrl-C or SIGTERM while starting)."""
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When to start a child again that died.
-
-    The first restart comes after ``base_s``; each further death of a child
-    that ran less than ``stable_s`` doubles the delay, up to ``max_s``, which
-    bounds the restart rate of a child that keeps dying. A child that ran
-    ``stable_s`` or longer starts the count again.
-    """
-
-    base_s: float = 0.5
-    max_s: float = 30.0
-    stable_s: float = 60.0
-
-    def next_delay(self, *, quick_deaths: int, ran_s: float) -> tuple[float, int]:
-        """The delay before the next start, and the count of quick deaths to keep.
-
-        Args:
-            quick_deaths: deaths in a row, before this one, of a child that
-                ran less than ``stable_s``.
-            ran_s: how long the child ran this time.
-        """
-        deaths = 0 if ran_s >= self.stable_s else quick_deaths
-        return min(self.max_s, self.base_s * 2.0 ** min(deaths, 32)), deaths + 1
-
-
-@dataclass
-class _Child:
-    """One process this cluster started, in its own process group."""
-
-    name: str
-    proc: Child  # the process, its group and its log
-    ready_file: Path
-    started_at: float  # monotonic
-    run_dir: Path | None = None  # agents only
-    metrics_port: int | None = None  # agents only, from the ready file
-    url: str | None = None  # the coordinator only, from the ready file
-    # Supervision: set while it is dead and waiting to be started again.
-    restart_at: float | None = None
-    quick_deaths: int = 0
-    restarts: int = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.proc.log_path
-
-    def read_ready(self) -> bool:
-        """True once the ready file of this incarnation is there (sets url/metrics_port)."""
-        ready: ReadyFile | None = read_ready(self.ready_file, self.pid)
-        if ready is None:
-            return False
-        self.url = ready.url or self.url
-        self.metrics_port = ready.metrics_port or self.metrics_port
-        return True
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.proc.log_tail(lines)
-        return f"--- last lines of {self.log_path} ---\n" + (text or "(empty)")
-
-
-@dataclass(frozen=True)
-class ChildExit:
-    """A child that exited while the cluster ran.
-
-    Attributes:
-        name: ``etcd``, ``coordinator`` or the node id.
-        pid: its process id.
-        returncode: its exit status (negative: killed by that signal).
-        essential: the cluster cannot go on without it (etcd, the coordinator);
-            a lost agent is a lost node, which tidal is built to survive.
-        log_tail: the last lines of its log.
-    """
-
-    name: str
-    pid: int
-    returncode: int | None
-    essential: bool
-    log_tail: str
-
-
-def _child_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
-
-
-_write_atomically = write_atomically
-
-
-def _is_coordinator(pid: int) -> bool:
-    """True if ``pid`` lives and runs a tidal coordinator (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here: trust the pid
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return b"service.cli" in cmdline and b"coordinator" in cmdline
+__all__ = [
+    "DEATH_SIGNAL", "DEFAULT_AGENTS", "ChildExit", "ClusterError", "LocalCluster",
+    "RestartPolicy", "StartCancelledError",
+]
 
 
 class LocalCluster:
@@ -275,8 +149,9 @@ class LocalCluster:
             raise ValueError("the API token must be at least 16 characters")
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.workdir_root = Path(workdir_root or Path.cwd()).expanduser().resolve()
+        self.layout = StateDir(self.state_dir)
         self.checkpoint_root = Path(
-            checkpoint_root or self.state_dir / "checkpoints"
+            checkpoint_root or self.layout.checkpoints_dir
         ).expanduser().resolve()
         self.etcd_root = etcd_root
         self.lease_ttl_s = lease_ttl_s
@@ -287,18 +162,22 @@ class LocalCluster:
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.python = python
-        self.logs_dir = self.state_dir / "logs"
-        self.run_root = self.state_dir / "run"
-        self.token_file = self.state_dir / TOKEN_FILE
-        self.cluster_file = self.state_dir / CLUSTER_FILE
-        self.etcd_auth_dir = self.state_dir / ETCD_AUTH_DIR
+        self.logs_dir = self.layout.logs_dir
+        self.run_root = self.layout.run_root
+        self.token_file = self.layout.token_file
+        self.cluster_file = self.layout.cluster_file
+        self.etcd_auth_dir = self.layout.etcd_auth_dir
+        self._commands = ChildCommands(
+            layout=self.layout, python=python, etcd_root=etcd_root, lease_ttl_s=lease_ttl_s,
+            slots=slots, gpus_per_agent=gpus_per_agent, workdir_root=self.workdir_root,
+            checkpoint_root=self.checkpoint_root)
         self.supervise = supervise
         self.restart_policy = restart_policy or RestartPolicy()
         self._initial_agents = agents
         self._token = token.strip() if token is not None else secrets.token_urlsafe(32)
         self._etcd: EtcdServer | None = None
-        self._coordinator: _Child | None = None
-        self._agents: dict[str, _Child] = {}
+        self._coordinator: SupervisedChild | None = None
+        self._agents: dict[str, SupervisedChild] = {}
         self._next_node = 1
         self._url: str | None = None
         self._started = False
@@ -345,9 +224,7 @@ class LocalCluster:
 
     def etcd_password_file(self, user: str) -> Path:
         """The file holding etcd user ``user``'s password (one of :data:`USERS`)."""
-        if user not in USERS:
-            raise ValueError(f"no etcd user {user!r} in a local cluster (users: {USERS})")
-        return self.etcd_auth_dir / user
+        return self.layout.password_file(user)
 
     def etcd_config(self, user: str = ROOT_USER, *, timeout_s: float = 5.0) -> EtcdConfig:
         """How to reach this cluster's etcd as ``user`` (root by default: everything).
@@ -397,7 +274,7 @@ class LocalCluster:
                 etcd_pid=self._etcd.pid if self._etcd else None,
                 agents=[
                     AgentEntry(node_id=node_id, pid=child.pid,
-                               run_dir=child.run_dir or self.run_root / node_id,
+                               run_dir=child.run_dir or self.layout.run_dir(node_id),
                                metrics_port=child.metrics_port)
                     for node_id, child in self._agents.items()
                 ],
@@ -421,7 +298,7 @@ class LocalCluster:
             raise ClusterError(f"the cluster in {self.state_dir} was started already")
         self._started = True
         try:
-            self._prepare_state_dir()
+            self.layout.prepare(self._token, checkpoint_root=self.checkpoint_root)
             self._start_etcd()
             self._enable_etcd_auth()
             self._coordinator = self._spawn("coordinator", self._coordinator_argv())
@@ -441,37 +318,6 @@ class LocalCluster:
         log.info("tidal is up at %s with %d node(s)", self._url, len(self._agents))
         return self
 
-    def _prepare_state_dir(self) -> None:
-        for path in (self.state_dir, self.logs_dir, self.run_root, self.checkpoint_root):
-            path.mkdir(parents=True, exist_ok=True)
-        if self.cluster_file.exists():
-            try:
-                previous = json.loads(self.cluster_file.read_text())
-                pid = int(previous.get("coordinator_pid") or 0)
-            except (OSError, ValueError, AttributeError):
-                pid = 0
-            if pid and _is_coordinator(pid):
-                raise ClusterError(
-                    f"a tidal cluster already runs from {self.state_dir} (coordinator pid "
-                    f"{pid}, {previous.get('url')}); stop it first or use another --state-dir"
-                )
-            log.info("removing the stale %s of a cluster that is gone", self.cluster_file)
-            self.cluster_file.unlink()
-        _write_atomically(self.token_file, self._token + "\n", mode=0o600)
-        self._prepare_etcd_passwords()
-
-    def _prepare_etcd_passwords(self) -> None:
-        """Make a password for each etcd user that has none yet; keep existing ones
-        (etcd's data, kept across runs, has them)."""
-        self.etcd_auth_dir.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.etcd_auth_dir, 0o700)
-        for user in USERS:
-            path = self.etcd_password_file(user)
-            if not path.exists():
-                _write_atomically(path, secrets.token_hex(24) + "\n", mode=0o600)
-            else:
-                os.chmod(path, 0o600)
-
     def _enable_etcd_auth(self) -> None:
         assert self._etcd is not None
         passwords = {u: self.etcd_password_file(u).read_text().strip() for u in USERS}
@@ -484,131 +330,52 @@ class LocalCluster:
             raise ClusterError(
                 f"could not set up etcd's users and roles: {exc}. If {self.etcd_auth_dir} "
                 f"lost its files after etcd's data had authentication on, remove "
-                f"{self.state_dir / 'etcd'} (it holds the jobs) or restore them"
+                f"{self.layout.etcd_dir} (it holds the jobs) or restore them"
             ) from exc
         log.info("etcd authentication %s (users %s, passwords in %s)",
                  "turned on" if turned_on else "is on", ", ".join(USERS), self.etcd_auth_dir)
 
     def _start_etcd(self) -> None:
-        data_dir = self.state_dir / "etcd"
+        data_dir = self.layout.etcd_dir
         data_dir.mkdir(mode=0o700, exist_ok=True)
         try:
             self._etcd = EtcdServer(data_dir=data_dir, parent_death_signal=DEATH_SIGNAL)
-            self._etcd.log_path = self.logs_dir / "etcd.log"
+            self._etcd.log_path = self.layout.log_file("etcd")
             self._etcd.start()
         except EtcdError as exc:
             raise ClusterError(f"etcd did not start: {exc}") from exc
         log.info("etcd %s at %s (pid %s)", self._etcd.version_text, self._etcd.endpoint,
                  self._etcd.pid)
 
-    def _ready_file(self, name: str) -> Path:
-        return self.run_root / f"{name}.ready.json"
-
     def _coordinator_argv(self, port: int = 0) -> list[str]:
-        return [
-            self.python, "-m", "service.cli", "coordinator",
-            "--etcd", self.etcd_endpoint,
-            "--etcd-root", self.etcd_root,
-            "--etcd-user", COORDINATOR_USER,
-            "--etcd-password-file", str(self.etcd_password_file(COORDINATOR_USER)),
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--token-file", str(self.token_file),
-            "--workdir-root", str(self.workdir_root),
-            "--checkpoint-root", str(self.checkpoint_root),
-            "--ready-file", str(self._ready_file("coordinator")),
-        ]
+        return self._commands.coordinator(self.etcd_endpoint, port)
 
     def _agent_argv(self, node_id: str, run_dir: Path, metrics_port: int = 0) -> list[str]:
-        return [
-            self.python, "-m", "service.cli", "agent",
-            "--etcd", self.etcd_endpoint,
-            "--etcd-root", self.etcd_root,
-            "--etcd-user", AGENT_USER,
-            "--etcd-password-file", str(self.etcd_password_file(AGENT_USER)),
-            "--node-id", node_id,
-            "--run-dir", str(run_dir),
-            "--lease-ttl", str(self.lease_ttl_s),
-            "--metrics-host", "127.0.0.1",
-            "--metrics-port", str(metrics_port),
-            "--slots", str(self.slots),
-            *self._gpus_argv(node_id),
-            "--ready-file", str(self._ready_file(node_id)),
-        ]
+        return self._commands.agent(self.etcd_endpoint, node_id, run_dir, metrics_port)
 
     def _gpus_argv(self, node_id: str) -> list[str]:
-        """``--gpus`` for ``node-i``: the i-th run of ``gpus_per_agent`` indices."""
-        if self.gpus_per_agent is None:
-            return []
-        count = self.gpus_per_agent
-        number = int(node_id.rpartition("-")[2])
-        first = (number - 1) * count
-        return ["--gpus", ",".join(str(i) for i in range(first, first + count)) or "none"]
+        return self._commands.gpus(node_id)
 
-    def _spawn(self, name: str, argv: list[str], *, run_dir: Path | None = None) -> _Child:
-        log_path = self.logs_dir / f"{name}.log"
-        ready_file = self._ready_file(name)
-        with contextlib.suppress(FileNotFoundError):
-            ready_file.unlink()
-        proc = Child.spawn(name, argv, log_path, env=_child_env(),
-                           parent_death_signal=DEATH_SIGNAL)
-        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
-        return _Child(name, proc, ready_file, time.monotonic(), run_dir=run_dir)
+    def _spawn(self, name: str, argv: list[str], *,
+               run_dir: Path | None = None) -> SupervisedChild:
+        return SupervisedChild.spawn(name, argv, log_path=self.layout.log_file(name),
+                                     ready_file=self.layout.ready_file(name), run_dir=run_dir)
 
     def _spawn_agent(self) -> str:
         with self._lock:
             node_id = f"node-{self._next_node}"
             self._next_node += 1
-            run_dir = self.run_root / node_id
+            run_dir = self.layout.run_dir(node_id)
             run_dir.mkdir(parents=True, exist_ok=True)
             self._agents[node_id] = self._spawn(
                 node_id, self._agent_argv(node_id, run_dir), run_dir=run_dir)
             return node_id
 
-    def _wait(
-        self,
-        what: str,
-        condition: Callable[[], bool],
-        *,
-        deadline: float,
-        cancel: threading.Event | None,
-        watch: Iterable[_Child],
-    ) -> None:
-        """Poll ``condition`` until true; fail fast if a watched child exits.
-
-        Raises:
-            StartCancelledError: ``cancel`` was set.
-            ClusterError: a watched child exited, or the deadline passed; with log tails.
-        """
-        watched = list(watch)
-        last: object = None
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise StartCancelledError(f"stopped while waiting for {what}")
-            if self._etcd is not None and not self._etcd.running():
-                raise ClusterError(
-                    f"etcd exited while waiting for {what}; log tail:\n{self._etcd.log_tail()}"
-                )
-            for child in watched:
-                code = child.proc.poll()
-                if code is not None:
-                    raise ClusterError(
-                        f"{child.name} (pid {child.pid}) exited with code {code} while "
-                        f"waiting for {what}\n{child.tail()}"
-                    )
-            try:
-                if condition():
-                    return
-                last = None
-            except (httpx.HTTPError, ValueError) as exc:
-                last = exc
-            if time.monotonic() > deadline:
-                tails = "\n".join(child.tail() for child in watched)
-                raise ClusterError(
-                    f"timed out after {self.ready_timeout_s:g} s waiting for {what}"
-                    + (f" (last error: {last})" if last else "") + f"\n{tails}"
-                )
-            time.sleep(0.1)
+    def _wait(self, what: str, condition: Callable[[], bool], *, deadline: float,
+              cancel: threading.Event | None, watch: list[SupervisedChild]) -> None:
+        """:func:`service.up_children.wait_until`, watching etcd too."""
+        wait_until(what, condition, deadline=deadline, timeout_s=self.ready_timeout_s,
+                   cancel=cancel, watch=watch, etcd=self._etcd)
 
     def _wait_for_url(self, deadline: float, cancel: threading.Event | None) -> str:
         coordinator = self._coordinator
@@ -647,12 +414,12 @@ class LocalCluster:
 
     def _write_cluster_file(self) -> None:
         with self._lock:
-            _write_atomically(self.cluster_file, self.describe().model_dump_json(indent=2) + "\n")
+            write_atomically(self.cluster_file, self.describe().model_dump_json(indent=2) + "\n")
             self._wrote_cluster_file = True
 
     # changing it ----------------------------------------------------------------------
 
-    def _agent(self, node_id: str) -> _Child:
+    def _agent(self, node_id: str) -> SupervisedChild:
         try:
             return self._agents[node_id]
         except KeyError:
@@ -734,10 +501,9 @@ class LocalCluster:
         self._collect_exits(now, restart=True)
         changed = False
         for child in self._children():
-            if child.restart_at is not None and now >= child.restart_at:
+            if child.restart_due(now):
                 self._restart(child)
-            elif child.restart_at is None and child.restarts and child.proc.poll() is None \
-                    and not child.url and not child.metrics_port and child.read_ready():
+            elif child.came_back():
                 changed = True
                 if child is self._coordinator and child.url is not None:
                     self._url = child.url  # a new port if the old one could not be had
@@ -747,35 +513,28 @@ class LocalCluster:
         if changed and self._wrote_cluster_file:
             self._write_cluster_file()
 
-    def _children(self) -> list[_Child]:
+    def _children(self) -> list[SupervisedChild]:
         children = list(self._agents.values())
         if self._coordinator is not None:
             children.insert(0, self._coordinator)
         return children
 
     def _collect_exits(self, now: float, *, restart: bool) -> None:
+        """Note the children that exited: schedule their restarts (``restart``), or
+        drop an exited agent, a lost node (the coordinator's exit is then essential)."""
+        policy = self.restart_policy if restart else None
         for child in self._children():
-            if child.restart_at is not None:
-                continue  # dead already, waiting for its restart
-            code = child.proc.poll()
-            if code is None:
+            coordinator = child is self._coordinator
+            exit_ = child.note_exit(now, policy, essential=coordinator and not restart)
+            if exit_ is None:
                 continue
-            child.proc.signal(signal.SIGKILL)  # whatever is left of its group
-            essential = child is self._coordinator and not restart
-            self._exits.append(ChildExit(child.name, child.pid, code, essential, child.tail()))
-            if not restart:
-                if child is not self._coordinator:
-                    del self._agents[child.name]
-                    if self._wrote_cluster_file:
-                        self._write_cluster_file()
-                continue
-            delay, child.quick_deaths = self.restart_policy.next_delay(
-                quick_deaths=child.quick_deaths, ran_s=now - child.started_at)
-            child.restart_at = now + delay
-            log.warning("%s (pid %d) exited with code %s; starting it again in %.1f s",
-                        child.name, child.pid, code, delay)
+            self._exits.append(exit_)
+            if not restart and not coordinator:
+                del self._agents[child.name]
+                if self._wrote_cluster_file:
+                    self._write_cluster_file()
 
-    def _restart(self, old: _Child) -> None:
+    def _restart(self, old: SupervisedChild) -> None:
         """Start ``old`` again: same name, port and node id; a fresh log offset."""
         # A child that died before it was ready (its port taken, say) gets a free port.
         if old is self._coordinator:
@@ -784,14 +543,11 @@ class LocalCluster:
         else:
             assert old.run_dir is not None
             argv = self._agent_argv(old.name, old.run_dir, old.metrics_port or 0)
-        new = self._spawn(old.name, argv, run_dir=old.run_dir)
-        new.quick_deaths = old.quick_deaths
-        new.restarts = old.restarts + 1
+        new = old.succeeded_by(self._spawn(old.name, argv, run_dir=old.run_dir))
         if old is self._coordinator:
             self._coordinator = new
         else:
             self._agents[old.name] = new
-        log.warning("started %s again (pid %d, restart %d)", new.name, new.pid, new.restarts)
 
     # stopping -------------------------------------------------------------------------
 
@@ -799,7 +555,8 @@ class LocalCluster:
         """Stop everything this cluster started and remove ``cluster.json``; idempotent.
 
         Agents get SIGTERM (their workers checkpoint and leave their jobs) and
-        SIGKILL after ``stop_grace_s``; then the coordinator; then etcd.
+        SIGKILL after ``stop_grace_s``; then the coordinator; then etcd. Each
+        child's whole process group goes (a runner between signals, say).
         """
         if self._stopped:
             return
@@ -810,27 +567,15 @@ class LocalCluster:
             self._stopped = True
             agents = list(self._agents.values())
             self._agents.clear()
-        for child in agents:
-            child.proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        for child in agents:
-            self._reap(child, deadline)
+        stop_all([child.proc for child in agents], self.stop_grace_s)
         if self._coordinator is not None:
-            self._coordinator.proc.signal(signal.SIGTERM)
-            self._reap(self._coordinator, time.monotonic() + COORDINATOR_STOP_S)
+            self._coordinator.proc.stop(COORDINATOR_STOP_S)
         if self._etcd is not None:
             self._etcd.stop()
         if self._wrote_cluster_file:
             with contextlib.suppress(FileNotFoundError):
                 self.cluster_file.unlink()
         log.info("stopped the cluster in %s", self.state_dir)
-
-    @staticmethod
-    def _reap(child: _Child, deadline: float) -> None:
-        if child.proc.wait(max(0.0, deadline - time.monotonic())) is None:
-            log.warning("%s (pid %d) did not stop in time; killing it", child.name, child.pid)
-        # Whatever is left of its group (a runner between signals, say) goes too.
-        child.proc.kill()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
