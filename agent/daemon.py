@@ -3,7 +3,9 @@
 :class:`Agent` registers the node in etcd under a lease (the coordinator sees
 it alive exactly as long as the agent keeps the lease), watches
 ``assignments/<node>/`` with a list-then-watch :class:`PrefixWatcher`, and
-reconciles, level-triggered, what should run against what runs:
+reconciles, level-triggered, what should run against what runs. Each pass
+decides first, without acting (:mod:`agent.plan`, :mod:`agent.supervise`,
+:mod:`agent.warm_policy`), then carries the decision out:
 
 * an assignment without a runner: start ``python -m agent.runner_main`` for it
   (one process per job, so one job cannot take the daemon down);
@@ -20,22 +22,10 @@ reconciles, level-triggered, what should run against what runs:
   counts as one that crashed. Nothing the daemon's bookkeeping throws stops
   its loop: the next pass (within half a second) tries again.
 
-Warm runners: while the node has a free slot, the daemon keeps one runner
-started ahead of the next job (``python -m agent.runner_main --warm``). It
-starts its zygote and imports torch elastic at once, then waits on stdin.
-When a job is assigned, the daemon writes the spec's path to it instead of
-starting a new process, and the runner's log file is renamed into the job's
-directory. A new node therefore joins a job as soon as its assignment arrives
-rather than after ``python`` + ``import torch`` (1.5 to 3 s), and a node
-that takes one job after another starts each at once. The next warm runner
-starts a while after one is taken (not at once: it would compete for the CPU
-with the job starting). While the node's slots are all in use it is the
-spare that replaces a runner that dies (restarted on the job's budget): the
-job's workers start again in about a second, as after a worker's death,
-rather than after a cold runner's ``import torch``; none is kept there when
-no running job has restarts to spend (:func:`wants_warm_runner`). A runner
-being stopped frees its slots for this, and a runner stopped because its job
-got a new generation here gets a warm successor at once.
+Warm runners: the daemon keeps one runner started ahead of the next job, so
+that a job starts (or a runner that died is replaced) without ``python`` +
+``import torch`` first (:mod:`agent.warm_policy` says when and why,
+:class:`agent.launch.WarmRunner` starts and hands it over).
 
 Runners are started from the main thread with the parent-death signal set, so
 a SIGKILLed daemon takes its runners, and they their workers, with it.
@@ -44,14 +34,13 @@ a SIGKILLed daemon takes its runners, and they their workers, with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,13 +49,13 @@ from pydantic import ValidationError
 
 from agent import rundir
 from agent.admission import AssignmentGate
-from agent.bounds import take_over
 from agent.gpu_metrics import GpuCollector
 from agent.gpu_node import NodeGpus, NoDevicesError
 from agent.jobpaths import JobSetupError, check_job_paths
-from agent.logcap import open_private_log
+from agent.launch import WarmRunner, start_cold, write_spec
 from agent.logserve import LogServer, new_token
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
+from agent.plan import RunnerPlan, RunnerView, choose_assignment, plan_runners
 from agent.settings import AgentSettings
 from agent.spec import (
     EXIT_CRASHED,
@@ -78,10 +67,9 @@ from agent.spec import (
     read_outcome,
 )
 from agent.supervise import Action, after_exit
-from agent.workeruser import ENV_WORKER_USER, lookup, private_dir
-from agent.zygote import TITLE_ROOM
-from rendezvous import worker_env
-from rendezvous.client import EtcdClient, KeyValue, WatchEvent, create_client
+from agent.warm_policy import wants_warm_runner
+from agent.workeruser import lookup, private_dir
+from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.records import (
     RUNNER_RANK,
@@ -130,18 +118,6 @@ LOG_TAIL_BYTES = 16 * 1024
 
 
 @dataclass
-class _Warm:
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-
-#: Seconds after a warm runner is taken before the next one starts.
-WARM_REFILL_DELAY_S = 10.0
-#: Seconds before replacing a warm runner that died on its own (doubles up to 5 min).
-WARM_RETRY_S = 30.0
-
-
-@dataclass
 class AgentState:
     """What the agent runs now and what already ran, by job id."""
 
@@ -169,10 +145,7 @@ class Agent:
         self._jobs_seen: set[str] = set()
         self.metrics: AgentMetrics | None = None
         self.metrics_port: int | None = None
-        self._warm: _Warm | None = None
-        self._warm_due = 0.0  # monotonic time from which a warm runner may start
-        self._warm_retry_s = WARM_RETRY_S
-        self._warm_started = 0
+        self.warm = WarmRunner(settings)
         self._logs: LogServer | None = None
         self._log_endpoint: LogEndpoint | None = None
         self.gpus = NodeGpus(settings)
@@ -238,7 +211,7 @@ class Agent:
         try:
             self._client = client = create_client(settings.etcd_config())
         except BaseException:
-            self._discard_warm()
+            self.warm.discard()
             self.gpus.stop()
             raise
         try:
@@ -266,7 +239,7 @@ class Agent:
                     self._stop.wait(0.5)
             self._stop_all_runners()
         finally:
-            self._discard_warm()
+            self.warm.discard()
             self.gpus.stop()
             if self._watcher is not None:
                 self._watcher.stop()
@@ -375,41 +348,29 @@ class Agent:
         assert self._watcher is not None and self._client is not None
         if self._gate is None:
             self._gate = AssignmentGate(self._client, self.settings.node_id)
+        gate = self._gate
         desired: dict[str, Assignment] = {}
         snapshot = self._watcher.snapshot()
-        self._gate.forget_except(snapshot)
+        gate.forget_except(snapshot)
         for key, kv in snapshot.items():
             try:
-                assignment = Assignment.model_validate_json(kv.value)
+                written = Assignment.model_validate_json(kv.value)
             except ValidationError as exc:
                 log.error("ignoring the malformed assignment %s: %s", key, exc)
                 continue
-            job_id = assignment.job_id
-            runner = self.state.runners.get(job_id)
+            job_id = written.job_id
+            runner, exited = self.state.runners.get(job_id), self.state.exited.get(job_id)
             done = self.state.finished.get(job_id)
-            live = [r.assignment for r in (runner, self.state.exited.get(job_id)) if r is not None]
-            started = {a.generation for a in live}
-            if done is not None:
-                started.add(done[0])
-            if assignment.generation in started:
-                # Admitted when it started; new bounds written in place are taken
-                # over once the job's record confirms them (agent.bounds).
-                running = next((a for a in live if a.generation == assignment.generation), None)
-                desired[job_id] = assignment if running is None else self._in_place(
-                    key, kv, running, assignment)
-            elif self._gate.admitted(key, kv, assignment):
-                desired[job_id] = assignment
-            elif runner is not None:
-                desired[job_id] = runner.assignment
+            chosen = choose_assignment(
+                written,
+                runner=runner.assignment if runner is not None else None,
+                exited=exited.assignment if exited is not None else None,
+                finished_generation=done[0] if done is not None else None,
+                admitted=functools.partial(gate.admitted, key, kv, written),
+            )
+            if chosen is not None:
+                desired[job_id] = chosen
         return desired
-
-    def _in_place(self, key: str, kv: KeyValue, running: Assignment,
-                  written: Assignment) -> Assignment:
-        """``running``, with the bounds ``written`` gives it in place if its job's record
-        says the same (:mod:`agent.admission`); nothing else is ever taken over."""
-        gate = self._gate
-        assert gate is not None
-        return take_over(running, written, lambda: gate.admitted(key, kv, written))
 
     # reconcile -----------------------------------------------------------------
 
@@ -423,31 +384,35 @@ class Agent:
                 log.warning("cannot settle the runner of %s yet: %s", job_id, exc)
             except Exception:  # never let one job's aftermath stop the others'
                 log.exception("cannot settle the runner of %s yet", job_id)
-        for job_id, runner in list(self.state.runners.items()):
-            wanted = desired.get(job_id)
-            if wanted is None or wanted.generation != runner.assignment.generation:
-                if wanted is not None and runner.stop_deadline is None:
-                    if self.metrics is not None:
-                        self.metrics.count_restart(job_id, SCALED)  # a new generation here
-                    # The next generation's runner is wanted as soon as this one is
-                    # gone: have a warm one ready by then (stopping takes seconds).
-                    self._warm_due = 0.0
-                self._stop_runner(job_id, runner)
-            elif wanted != runner.assignment:  # new bounds, in place: nothing restarts
-                log.info("job %s: bounds now %d..%d nodes; its runner follows them",
-                         job_id, wanted.min_nodes, wanted.max_nodes)
-                runner.assignment = wanted
-        for job_id, assignment in desired.items():
-            if job_id in self.state.runners or job_id in self.state.exited:
-                continue
-            done = self.state.finished.get(job_id)
-            if done is not None and done[0] == assignment.generation:
-                continue  # this generation ran here already; the coordinator decides what next
-            self._start_runner(assignment)
+        plan = plan_runners(
+            desired=desired,
+            runners={job_id: RunnerView(r.assignment, stopping=r.stop_deadline is not None)
+                     for job_id, r in self.state.runners.items()},
+            exited=self.state.exited.keys(),
+            finished={job_id: generation
+                      for job_id, (generation, _) in self.state.finished.items()},
+        )
+        self._carry_out(plan)
         if self.metrics is not None:
             used = sum(r.assignment.nproc_per_node for r in self.state.runners.values())
             self.metrics.slots_used.set(used)
             self.metrics.slots.set(self.gpus.slots)
+
+    def _carry_out(self, plan: RunnerPlan) -> None:
+        for stop in plan.stop:
+            if stop.scaled:
+                if self.metrics is not None:
+                    self.metrics.count_restart(stop.job_id, SCALED)  # a new generation here
+                # The next generation's runner is wanted as soon as this one is
+                # gone: have a warm one ready by then (stopping takes seconds).
+                self.warm.successor_wanted()
+            self._stop_runner(stop.job_id, self.state.runners[stop.job_id])
+        for wanted in plan.rebound:
+            log.info("job %s: bounds now %d..%d nodes; its runner follows them",
+                     wanted.job_id, wanted.min_nodes, wanted.max_nodes)
+            self.state.runners[wanted.job_id].assignment = wanted
+        for assignment in plan.start:
+            self._start_runner(assignment)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -568,129 +533,29 @@ class Agent:
             devices=devices,
         )
         spec_path = job_dir / rundir.RUNNER_SPEC
-        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(spec.model_dump_json())  # it may hold etcd credentials and job secrets
+        write_spec(spec, spec_path)
         log_path = job_dir / rundir.RUNNER_LOG
-        taken = self._take_warm(assignment.job_id, spec_path, log_path)
+        taken = self.warm.take(assignment.job_id, spec_path, log_path)
         if taken is not None:
             process, log_path = taken
         else:
-            with open_private_log(log_path) as log_file:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "agent.runner_main", str(spec_path)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    # Marks the runner (and so its workers) as this node's and this job's.
-                    env=self._runner_env(assignment.job_id),
-                )
+            process = start_cold(self.settings, assignment.job_id, spec_path, log_path)
             log.info("started runner %d for job %s", process.pid, assignment.job_id)
         self.state.runners[assignment.job_id] = _Runner(assignment, process, log_path,
                                                         devices=devices)
 
-    def _runner_env(self, job_id: str | None) -> dict[str, str]:
-        """The runner's environment: marks it as this node's and job's; carries the
-        etcd password, which the spec file (JSON, on disk) never holds."""
-        env = dict(os.environ)
-        env[worker_env.NODE_ID] = self.settings.node_id
-        if job_id is not None:
-            env[worker_env.JOB_ID] = job_id
-        if self.settings.etcd_password is not None:
-            env[worker_env.ETCD_PASSWORD] = self.settings.etcd_password.get_secret_value()
-        if self.settings.worker_user is not None:
-            env[ENV_WORKER_USER] = self.settings.worker_user
-        return env
-
     # warm runners ----------------------------------------------------------------
 
-    def _wants_warm(self) -> bool:
-        return wants_warm_runner(
+    def _keep_warm(self) -> None:
+        """Start a warm runner if there is none, one is wanted and it is time
+        (:mod:`agent.warm_policy`)."""
+        if not self.settings.warm_runner:
+            return
+        wanted = wants_warm_runner(
             self.gpus.slots,
             [(r.assignment, r.stop_deadline is not None) for r in self.state.runners.values()],
         )
-
-    def _keep_warm(self) -> None:
-        """Start a warm runner if there is none, one is wanted (:func:`wants_warm_runner`)
-        and it is time."""
-        if not self.settings.warm_runner:
-            return
-        warm = self._warm
-        if warm is not None:
-            code = warm.process.poll()
-            if code is None:
-                return
-            log.warning("warm runner %d exited with %d (log: %s); next one in %.0f s",
-                        warm.process.pid, code, warm.log_path, self._warm_retry_s)
-            self._warm = None
-            self._warm_due = time.monotonic() + self._warm_retry_s
-            self._warm_retry_s = min(self._warm_retry_s * 2, 300.0)
-            return
-        if self._stop.is_set() or time.monotonic() < self._warm_due or not self._wants_warm():
-            return
-        warm_dir = self.settings.run_dir / "warm"
-        warm_dir.mkdir(parents=True, exist_ok=True)
-        self._warm_started += 1
-        log_path = warm_dir / f"runner-{os.getpid()}-{self._warm_started}.log"
-        with open_private_log(log_path) as log_file:
-            process = subprocess.Popen(
-                # TITLE_ROOM: room for the title it takes with a job (see runner_main).
-                [sys.executable, "-m", "agent.runner_main", "--warm", TITLE_ROOM],
-                stdin=subprocess.PIPE,  # the spec's path, or end-of-file to discard it
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**self._runner_env(None), "SPT_NOENV": "1"},
-            )
-        self._warm = _Warm(process, log_path)
-        log.info("warm runner %d started for the next job", process.pid)
-
-    def _take_warm(
-        self, job_id: str, spec_path: Path, log_path: Path
-    ) -> tuple[subprocess.Popen[bytes], Path] | None:
-        """Hand ``spec_path`` to the warm runner, if one is alive; it becomes the job's.
-
-        Returns it and its log: ``log_path``, or beside it ``runner-<pid>.log``
-        where that is taken (by the runner it replaces)."""
-        warm, self._warm = self._warm, None
-        if warm is None:
-            return None
-        self._warm_due = time.monotonic() + WARM_REFILL_DELAY_S
-        if warm.process.poll() is not None:
-            log.warning("warm runner %d had exited with %d (log: %s)",
-                        warm.process.pid, warm.process.returncode, warm.log_path)
-            return None
-        # Its output (and its zygote's) goes on into the same file, now the job's.
-        if log_path.exists():
-            log_path = log_path.with_name(f"runner-{warm.process.pid}.log")
-        warm.log_path.rename(log_path)
-        assert warm.process.stdin is not None
-        try:
-            warm.process.stdin.write(f"{spec_path}\n".encode())
-            warm.process.stdin.close()
-        except OSError as exc:  # it died just now: start a cold one instead
-            log.warning("warm runner %d is gone (%s)", warm.process.pid, exc)
-            with contextlib.suppress(ProcessLookupError):
-                warm.process.kill()
-            warm.process.wait()
-            return None
-        self._warm_retry_s = WARM_RETRY_S
-        log.info("warm runner %d takes job %s (log: %s)", warm.process.pid, job_id, log_path)
-        return warm.process, log_path
-
-    def _discard_warm(self) -> None:
-        """Stop the warm runner: end-of-file on its stdin, SIGKILL if it lingers."""
-        warm, self._warm = self._warm, None
-        if warm is None:
-            return
-        assert warm.process.stdin is not None
-        with contextlib.suppress(OSError):
-            warm.process.stdin.close()
-        try:
-            warm.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            warm.process.kill()
-            warm.process.wait()
-        with contextlib.suppress(OSError):
-            warm.log_path.unlink()
+        self.warm.keep(wanted=wanted, stopping=self._stop.is_set())
 
     def _stop_runner(self, job_id: str, runner: _Runner) -> None:
         if runner.stop_deadline is not None:
@@ -706,23 +571,6 @@ class Agent:
         while self.state.runners:
             self._reap()
             time.sleep(0.1)
-
-
-def wants_warm_runner(slots: int, runners: Iterable[tuple[Assignment, bool]]) -> bool:
-    """Whether the node should keep a warm runner ready, given its runners.
-
-    ``runners``: each running runner's assignment, and whether it is being
-    stopped. One is kept for the next job while a slot is free, a stopping
-    runner's slots counting as free (its job's next generation will want a
-    runner as soon as it has left). While the slots are all in use, one is
-    kept as the spare that replaces a runner that dies (agent.supervise), as
-    long as a runner's job has restarts to spend: a SIGKILLed runner is then
-    replaced at once, not after ``python`` and ``import torch`` again.
-    """
-    running = [assignment for assignment, stopping in runners if not stopping]
-    if slots - sum(a.nproc_per_node for a in running) >= 1:
-        return True
-    return any(a.max_restarts > 0 for a in running)
 
 
 def _tail(path: Path, size: int) -> str:
