@@ -159,8 +159,8 @@ class _FileCache:
         return data
 
 
-class _Families:
-    """Every metric family the collector exports, created empty at each scrape."""
+class _StatusFamilies:
+    """The families read from the runners' status records in etcd."""
 
     def __init__(self) -> None:
         job = ["job_id"]
@@ -173,6 +173,23 @@ class _Families:
         self.state = GaugeMetricFamily(
             "tidal_agent_job_state", "1 for the state this node's share of the job is in.",
             labels=["job_id", "state"])
+        self.step = GaugeMetricFamily(
+            "tidal_agent_job_step", "Last training step the workers reported.", labels=job)
+        self.exit_code = GaugeMetricFamily(
+            "tidal_agent_job_last_failure_exit_code",
+            "Exit code of the first failing worker of the job's last failure on this node.",
+            labels=job)
+
+    def all(self) -> list[Metric]:
+        return [self.info, self.world, self.state, self.step, self.exit_code]
+
+
+class _RunnerFamilies:
+    """The families summed over the runners' metrics files: restarts, exits, torch
+    elastic's own metrics, goodput and resizes."""
+
+    def __init__(self) -> None:
+        job = ["job_id"]
         self.restarts = CounterMetricFamily(
             "tidal_agent_job_restarts", "Worker group restarts on this node, by reason.",
             labels=["job_id", "reason"])
@@ -185,39 +202,6 @@ class _Families:
             "Time from a failure or membership change noticed by this node to the first "
             "step of the workers started after it, by restart reason.",
             labels=["job_id", "reason"])
-        self.step = GaugeMetricFamily(
-            "tidal_agent_job_step", "Last training step the workers reported.", labels=job)
-        self.ckpt_step = GaugeMetricFamily(
-            "tidal_agent_job_last_checkpoint_step",
-            "Step of the newest checkpoint the workers reported.", labels=job)
-        self.ckpt_time = GaugeMetricFamily(
-            "tidal_agent_job_last_checkpoint_time_seconds",
-            "Unix time the newest checkpoint was committed (age: time() - this).",
-            labels=job)
-        self.save = GaugeMetricFamily(
-            "tidal_agent_job_last_checkpoint_save_seconds",
-            "Total duration of the newest checkpoint's save.", labels=job)
-        self.stall = GaugeMetricFamily(
-            "tidal_agent_job_last_checkpoint_stall_seconds",
-            "How long the newest checkpoint's save blocked the training loop.", labels=job)
-        self.save_failing = GaugeMetricFamily(
-            "tidal_agent_job_checkpoint_save_failing",
-            "1 while the workers' last checkpoint save failed.", labels=job)
-        self.rate = GaugeMetricFamily(
-            "tidal_agent_job_samples_per_second",
-            "Training throughput of the whole job (global samples per second), as this "
-            "node's workers measure it.", labels=job)
-        self.loss = GaugeMetricFamily(
-            "tidal_agent_job_loss", "Mean of this node's workers' last reported loss.",
-            labels=job)
-        self.progress_time = GaugeMetricFamily(
-            "tidal_agent_job_progress_time_seconds",
-            "Unix time of the workers' newest progress report (written after a step).",
-            labels=job)
-        self.exit_code = GaugeMetricFamily(
-            "tidal_agent_job_last_failure_exit_code",
-            "Exit code of the first failing worker of the job's last failure on this node.",
-            labels=job)
         self.calls = CounterMetricFamily(
             "tidal_agent_elastic_calls",
             "torch elastic agent calls (its @prof metrics) by call and result.",
@@ -255,11 +239,47 @@ class _Families:
             "re-formed its group in the new round.", labels=job)
 
     def all(self) -> list[Metric]:
-        return [self.info, self.world, self.state, self.restarts, self.exits, self.recovery,
-                self.step, self.ckpt_step, self.ckpt_time, self.save, self.stall,
-                self.save_failing, self.rate, self.loss, self.progress_time, self.exit_code,
-                self.calls, self.call_seconds, self.values, self.productive, self.lost,
-                self.resizes, self.fallbacks, self.live_seconds]
+        return [self.restarts, self.exits, self.recovery, self.calls, self.call_seconds,
+                self.values, self.productive, self.lost, self.resizes, self.fallbacks,
+                self.live_seconds]
+
+
+class _ProgressFamilies:
+    """The families read from the workers' progress files: training and checkpoints."""
+
+    def __init__(self) -> None:
+        job = ["job_id"]
+        self.ckpt_step = GaugeMetricFamily(
+            "tidal_agent_job_last_checkpoint_step",
+            "Step of the newest checkpoint the workers reported.", labels=job)
+        self.ckpt_time = GaugeMetricFamily(
+            "tidal_agent_job_last_checkpoint_time_seconds",
+            "Unix time the newest checkpoint was committed (age: time() - this).",
+            labels=job)
+        self.save = GaugeMetricFamily(
+            "tidal_agent_job_last_checkpoint_save_seconds",
+            "Total duration of the newest checkpoint's save.", labels=job)
+        self.stall = GaugeMetricFamily(
+            "tidal_agent_job_last_checkpoint_stall_seconds",
+            "How long the newest checkpoint's save blocked the training loop.", labels=job)
+        self.save_failing = GaugeMetricFamily(
+            "tidal_agent_job_checkpoint_save_failing",
+            "1 while the workers' last checkpoint save failed.", labels=job)
+        self.rate = GaugeMetricFamily(
+            "tidal_agent_job_samples_per_second",
+            "Training throughput of the whole job (global samples per second), as this "
+            "node's workers measure it.", labels=job)
+        self.loss = GaugeMetricFamily(
+            "tidal_agent_job_loss", "Mean of this node's workers' last reported loss.",
+            labels=job)
+        self.progress_time = GaugeMetricFamily(
+            "tidal_agent_job_progress_time_seconds",
+            "Unix time of the workers' newest progress report (written after a step).",
+            labels=job)
+
+    def all(self) -> list[Metric]:
+        return [self.ckpt_step, self.ckpt_time, self.save, self.stall, self.save_failing,
+                self.rate, self.loss, self.progress_time]
 
 
 class JobStatusCollector(Collector):
@@ -307,8 +327,8 @@ class JobStatusCollector(Collector):
             return self._collect()
 
     def _collect(self) -> list[Metric]:
-        fam = _Families()
-        fam.info.add_metric([self._node_id], 1)
+        status, runner, progress = _StatusFamilies(), _RunnerFamilies(), _ProgressFamilies()
+        status.info.add_metric([self._node_id], 1)
         job_ids = sorted(set(self._job_ids()))
         try:
             statuses = self._statuses(job_ids)
@@ -319,17 +339,17 @@ class JobStatusCollector(Collector):
         for job_id in job_ids:
             st = statuses.get(job_id)
             if st is not None:
-                self._add_status(fam, st)
-            self._add_counters(fam, job_id, extra.get(job_id, {}))
+                self._add_status(status, st)
+            self._add_counters(runner, job_id, extra.get(job_id, {}))
             if st is not None and not st.state.is_terminal() and self._run_dir is not None:
                 generation = rundir.generation_dir(self._run_dir, job_id, st.generation)
                 reports = read_progress_reports(rundir.progress_dir(generation))
                 summary = summarize_progress(reports)
-                self._add_progress(fam, job_id, summary)
-        return fam.all()
+                self._add_progress(progress, job_id, summary)
+        return [*status.all(), *runner.all(), *progress.all()]
 
     @staticmethod
-    def _add_status(fam: _Families, st: JobNodeStatus) -> None:
+    def _add_status(fam: _StatusFamilies, st: JobNodeStatus) -> None:
         job = [st.job_id]
         if not st.state.is_terminal():
             fam.world.add_metric(job, st.world_size)
@@ -341,7 +361,7 @@ class JobStatusCollector(Collector):
         if st.error is not None:
             fam.exit_code.add_metric(job, st.error.exit_code)
 
-    def _add_counters(self, fam: _Families, job_id: str, extra: Mapping[str, int]) -> None:
+    def _add_counters(self, fam: _RunnerFamilies, job_id: str, extra: Mapping[str, int]) -> None:
         files: list[RunnerMetrics] = []
         if self._run_dir is not None:
             for directory in rundir.generation_dirs(self._run_dir, job_id):
@@ -378,7 +398,7 @@ class JobStatusCollector(Collector):
         live = totals.live_seconds
         fam.live_seconds.add_metric([job_id], live.cumulative(), live.sum)
 
-    def _add_progress(self, fam: _Families, job_id: str, s: ProgressSummary) -> None:
+    def _add_progress(self, fam: _ProgressFamilies, job_id: str, s: ProgressSummary) -> None:
         job = [job_id]
         if s.last_checkpoint_time is not None:
             known = self._checkpoints.get(job_id)
