@@ -31,6 +31,7 @@ KILLS = 24
 WIDTH = 20_000  # ~360k float64 parameters + Adam moments: ~9 MB per checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_at_random_points_of_a_save_always_leaves_a_loadable_checkpoint(
     tmp_path: Path, procs: ProcessGroupRegistry

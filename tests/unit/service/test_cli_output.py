@@ -64,7 +64,9 @@ def test_cut_ends_in_an_ellipsis() -> None:
     assert (cut("abcdef", 6), cut("abcdef", 4), cut("abcdef", 1)) == ("abcdef", "abc…", "…")
 
 
-def test_labelled_values_align_and_wrap_under_themselves() -> None:
+def test_labelled_values_align_and_wrap_under_themselves(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # pytest-xdist's workers have it set
     pairs = [("job", "train-0123abcd"),
              ("command", "python train.py " + " ".join(f"--flag-{i} {i}" for i in range(8)))]
     lines = labelled(pairs, width=40)
