@@ -48,6 +48,7 @@ from service.client_base import DEFAULT_TIMEOUT_S, ClientBase, T
 from service.client_calls import (
     POLL_INTERVAL_S,
     Call,
+    Pager,
     Waiter,
     build_spec,
     cancel_call,
@@ -212,15 +213,12 @@ class Client(ClientBase):
     def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
                   ) -> Iterator[JobView]:
         """Every job, oldest first, a page at a time."""
-        cursor: str | None = None
-        seen: set[str] = set()
+        pager = Pager()
         while True:
-            page = self.list_page(phase=phase, limit=page_size, cursor=cursor)
+            page = self.list_page(phase=phase, limit=page_size, cursor=pager.cursor)
             yield from page.jobs
-            if page.next_cursor is None or page.next_cursor in seen:
+            if not pager.advance(page):
                 return
-            seen.add(page.next_cursor)
-            cursor = page.next_cursor
 
     def list(self, *, phase: JobPhase | str | None = None) -> builtins.list[JobView]:
         """Every job (in ``phase``, e.g. ``"RUNNING"``), oldest first."""

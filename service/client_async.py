@@ -20,6 +20,7 @@ from service.client_base import DEFAULT_TIMEOUT_S, ClientBase, T
 from service.client_calls import (
     POLL_INTERVAL_S,
     Call,
+    Pager,
     Waiter,
     build_spec,
     cancel_call,
@@ -100,16 +101,13 @@ class AsyncClient(ClientBase):
     async def iter_jobs(self, *, phase: JobPhase | str | None = None, page_size: int = 500
                         ) -> AsyncIterator[JobView]:
         """See :meth:`Client.iter_jobs`."""
-        cursor: str | None = None
-        seen: set[str] = set()
+        pager = Pager()
         while True:
-            page = await self.list_page(phase=phase, limit=page_size, cursor=cursor)
+            page = await self.list_page(phase=phase, limit=page_size, cursor=pager.cursor)
             for view in page.jobs:
                 yield view
-            if page.next_cursor is None or page.next_cursor in seen:
+            if not pager.advance(page):
                 return
-            seen.add(page.next_cursor)
-            cursor = page.next_cursor
 
     async def list(self, *, phase: JobPhase | str | None = None) -> builtins.list[JobView]:
         """See :meth:`Client.list`."""

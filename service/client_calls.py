@@ -1,15 +1,15 @@
 """What a call of tidal's API is, shared by :class:`service.client.Client` and its
 asyncio twin: job specs (:func:`build_spec`), one :class:`Call` builder per route (method,
 path, body, the model of the answer), and the bookkeeping of a wait for a job's end
-(:class:`Waiter`). Nothing here sends anything; this module never imports torch or the
-agent.
+(:class:`Waiter`) and of a walk through every job's pages (:class:`Pager`). Nothing here
+sends anything; this module never imports torch or the agent.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -254,3 +254,24 @@ class Waiter:
             raise WaitTimeoutError(
                 f"job {self.job_id} did not finish within {self.timeout:g} s{phase}; it goes on",
                 job_id=self.job_id, last=self.last)
+
+
+@dataclass
+class Pager:
+    """Where a walk through every job, a page at a time, stands.
+
+    Attributes:
+        cursor: the cursor to ask the next page with (None: the first page).
+    """
+
+    cursor: str | None = None
+    _seen: set[str] = field(default_factory=set)
+
+    def advance(self, page: JobList) -> bool:
+        """True if there is a page after ``page`` (:attr:`cursor` names it); False at
+        the end, or when the coordinator hands out a cursor it gave before."""
+        if page.next_cursor is None or page.next_cursor in self._seen:
+            return False
+        self._seen.add(page.next_cursor)
+        self.cursor = page.next_cursor
+        return True
