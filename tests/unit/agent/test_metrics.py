@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon import Agent, _Runner
+from agent.daemon import Agent
 from agent.metrics import (
     RESTART_REASONS,
     AgentMetrics,
@@ -199,33 +199,6 @@ def test_the_collector_reads_where_the_daemon_runs_a_generation(tmp_path: Path) 
         generation_dir(tmp_path, "j", generation).mkdir(parents=True)
     (tmp_path / "jobs" / "j" / "gen-x").mkdir()
     assert generation_dirs(tmp_path, "j") == [generation_dir(tmp_path, "j", g) for g in (2, 7, 10)]
-
-
-class FakeProcess:
-    pid = 4242
-
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-
-    def poll(self) -> int | None:
-        return None
-
-    def send_signal(self, sig: int) -> None:
-        self.signals.append(sig)
-
-
-def test_the_daemon_counts_a_new_generation_of_a_running_job_as_scaled(tmp_path: Path) -> None:
-    agent = Agent(AgentSettings(node_id="n", run_dir=tmp_path))
-    agent.metrics = AgentMetrics(CollectorRegistry(), slots=1)
-    first = Assignment(job_id="j", generation=1, command=["true"], min_nodes=1, max_nodes=2)
-    other = Assignment(job_id="k", generation=1, command=["true"], min_nodes=1, max_nodes=2)
-    for assignment in (first, other):
-        agent.state.runners[assignment.job_id] = _Runner(
-            assignment, FakeProcess(), tmp_path / "runner.log")  # type: ignore[arg-type]
-    rebound = first.model_copy(update={"generation": 2, "max_nodes": 3})
-    agent.reconcile({"j": rebound})  # j: new bounds, new generation; k: unassigned
-    agent.reconcile({"j": rebound})  # the old runner is still stopping: counted once
-    assert agent.metrics.restarts() == {"j": {"scaled": 1}}
 
 
 def test_the_daemon_exports_metrics_without_importing_torch() -> None:
