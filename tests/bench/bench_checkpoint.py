@@ -56,9 +56,9 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -79,6 +79,7 @@ MODES = ("off", "async, direct I/O", "async, page cache", "sync torch.save + fsy
 TICK = os.sysconf("SC_CLK_TCK")
 
 Step = Callable[[], None]
+T = TypeVar("T")
 
 
 def make_job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Step]:
@@ -116,6 +117,13 @@ def sync_save(state: dict[str, Any], path: Path) -> tuple[float, float, float]:
     os.close(fd)
     wall, after = time.perf_counter() - started, thread_cpu()
     return wall, after[0] - cpu[0], after[1] - cpu[1]
+
+
+def keep_newest(files: list[Path], path: Path, keep: int) -> None:
+    """Add ``path`` to ``files`` (oldest first) and delete all but the newest ``keep``."""
+    files.append(path)
+    while len(files) > keep:
+        files.pop(0).unlink()
 
 
 def sync_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> list[float]:
@@ -320,9 +328,7 @@ class Modes:
         """The reference inside the loop, keeping KEEP files as the checkpointers do."""
         path = self._root / f"sync-{self._step:06d}.pt"
         result = sync_save(large_state(self._model, self._optimizer), path)
-        self._sync_files.append(path)
-        while len(self._sync_files) > KEEP:
-            self._sync_files.pop(0).unlink()
+        keep_newest(self._sync_files, path, KEEP)
         return result
 
     def close(self) -> None:
@@ -330,13 +336,18 @@ class Modes:
             ckpt.close()
 
 
+def rotating_sets(run: Callable[[str], T], names: Sequence[str], pairs: int) -> list[dict[str, T]]:
+    """One warm-up set (not returned), then ``pairs`` sets of one run per name, order rotating."""
+    sets = []
+    for index in range(pairs + 1):
+        shift = index % len(names)
+        sets.append({name: run(name) for name in [*names[shift:], *names[:shift]]})
+    return sets[1:]
+
+
 def paired_blocks(modes: Modes, step: Step) -> list[dict[str, Block]]:
     """One warm-up set (not returned), then PAIRS sets of one block per mode, order rotating."""
-    sets = []
-    for index in range(PAIRS + 1):
-        order = MODES[index % len(MODES) :] + MODES[: index % len(MODES)]
-        sets.append({mode: modes.run(mode, step) for mode in order})
-    return sets[1:]
+    return rotating_sets(lambda mode: modes.run(mode, step), MODES, PAIRS)
 
 
 def restore_seconds(root: Path) -> float:

@@ -46,7 +46,13 @@ import torch.nn.functional as F
 import checkpoints as ck
 from checkpoints.async_save import StateSnapshot
 from examples.charlm import SIZES, VOCAB, CharLM
-from tests.bench.bench_checkpoint import bootstrap_median, loads, sync_save
+from tests.bench.bench_checkpoint import (
+    bootstrap_median,
+    keep_newest,
+    loads,
+    rotating_sets,
+    sync_save,
+)
 
 PAIRS = int(os.environ.get("BENCH_GPU_PAIRS", "8"))
 BLOCK_STEPS = int(os.environ.get("BENCH_GPU_BLOCK_STEPS", "24"))
@@ -156,22 +162,11 @@ class Modes:
         path = self._root / f"sync-{self._saves:06d}.pt"
         state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
         sync_save(state, path)
-        self._sync_files.append(path)
-        while len(self._sync_files) > KEEP:
-            self._sync_files.pop(0).unlink()
+        keep_newest(self._sync_files, path, KEEP)
 
     def close(self) -> None:
         for ckpt in self.checkpointers.values():
             ckpt.close()
-
-
-def paired_sets(modes: Modes, step: Step) -> list[dict[str, Block]]:
-    """One warm-up set (not returned), then PAIRS sets of one block per mode, order rotating."""
-    sets = []
-    for index in range(PAIRS + 1):
-        shift = index % len(MODES)
-        sets.append({mode: modes.run(mode, step) for mode in MODES[shift:] + MODES[:shift]})
-    return sets[1:]
 
 
 def lost_row(name: str, lost: list[float], step_time: float, anchor: float) -> str:
@@ -223,7 +218,7 @@ def run_benchmark(root: Path, device: torch.device, size: str) -> list[str]:
     params = sum(p.numel() for p in model.parameters())
     modes = Modes(model, optimizer, root, device)
     try:
-        sets = paired_sets(modes, step)
+        sets = rotating_sets(lambda mode: modes.run(mode, step), MODES, PAIRS)
     finally:
         modes.close()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
