@@ -11,7 +11,10 @@
 
 Replicated (DDP) state: rank 0 snapshots and writes; every rank reads. Sharded
 (FSDP2 / DTensor) state: every rank writes its shards through DCP. Saves are
-asynchronous by default: the loop waits only for the snapshot. A periodic save
+asynchronous by default: the loop waits only for the snapshot, and on a GPU
+not even for its device-to-host copy, which runs on a side stream while the
+next forward and backward run, the optimizer's next step ordered after it
+(:mod:`checkpoints.gpu_copy`). A periodic save
 that comes due while the previous one is still being written is skipped with a
 log line (replicated) or waits for it (sharded, where ranks must agree);
 :meth:`Checkpointer.save`, the stop on SIGTERM and :meth:`Checkpointer.close`
@@ -19,17 +22,18 @@ always wait. With ``on_resize=`` given, a planned change of the job's nodes
 re-forms the process group at a step boundary without restarting the workers
 (:mod:`checkpoints.live`). The policy, the layout and the exit codes are
 documented in docs/checkpoints.md.
+
+This module decides when to save, restore and stop; a save is carried out by
+:mod:`checkpoints.saving`, the checkpoint to resume from is chosen by
+:mod:`checkpoints.restoring`, and the live resize is :mod:`checkpoints.resizing`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import logging
 import os
-import resource
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,36 +43,16 @@ import torch
 import torch.distributed as dist
 
 from checkpoints import sharded as sharded_io
-from checkpoints.async_save import BackgroundWriter, StateSnapshot, run_in_background
-from checkpoints.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointStateError,
-    CheckpointWriteError,
-)
-from checkpoints.files import use_direct_io
+from checkpoints.errors import CheckpointError
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
-from checkpoints.live import (
-    EXIT_LEFT,
-    Action,
-    LiveResizeError,
-    LiveState,
-    Resize,
-    SyncResult,
-    WorkerLink,
-    rejoin,
-    sync_state,
-)
+from checkpoints.live import LiveState, Resize
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
+from checkpoints.resizing import LiveResizing
+from checkpoints.restoring import Resume, choose, load_chosen
+from checkpoints.saving import SaveRecord, Saves, Where
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal
-from checkpoints.state import (
-    Stateful,
-    apply_state,
-    capture_rng,
-    load_replicated,
-    write_replicated,
-)
-from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest
+from checkpoints.state import Stateful, apply_state, capture_rng
+from checkpoints.storage import CheckpointStore, Fence
 
 __all__ = ["Checkpointer", "Resume", "SaveRecord"]
 
@@ -80,52 +64,15 @@ _GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 _PREPARE_CALLS = 10
 
 
-@dataclasses.dataclass(frozen=True)
-class Resume:
-    """Where training resumes.
-
-    Attributes:
-        step: completed optimizer steps in the restored checkpoint (0 when fresh).
-        fresh: no usable checkpoint was found; nothing was loaded.
-        path: the checkpoint loaded, if any.
-        saved_world_size: the world size it was saved at, if any.
-        extra: the user extras saved with it (``{}`` when fresh).
-    """
-
-    step: int
-    fresh: bool
-    path: Path | None
-    saved_world_size: int | None
-    extra: dict[str, Any]
-
-
-@dataclasses.dataclass
-class SaveRecord:
-    """One save as this rank saw it (``save_seconds`` is None while in flight).
-
-    ``writer_user_seconds`` and ``writer_system_seconds`` are the CPU time the
-    writer thread spent on the save (serializing, checksumming, the kernel's
-    share of writing): on a machine with few cores, what training may lose to
-    it. None while in flight, and off Linux. A sharded save's shards are
-    written by DCP's own threads and are not counted.
-    """
-
-    step: int
-    stall_seconds: float
-    save_seconds: float | None = None
-    path: Path | None = None
-    error: str | None = None
-    writer_user_seconds: float | None = None
-    writer_system_seconds: float | None = None
-
-
-class Checkpointer:
+class Checkpointer(LiveResizing):
     """Atomic, verifiable, asynchronous checkpoints of one training job.
 
     Args:
         directory: the checkpoint root, shared by all ranks.
         model: the model (the module inside DDP; FSDP2 modules with ``sharded=True``).
-        optimizer: its optimizer.
+        optimizer: its optimizer. With state on a GPU, the checkpointer registers
+            a pre-step hook on it (at the first save, removed by :meth:`close`)
+            that orders the next step after the snapshot's copy.
         scheduler: an LR scheduler (anything with state_dict/load_state_dict).
         scaler: a grad scaler.
         extra_state: returns user extras (a dict of JSON-like values and tensors) to save.
@@ -199,25 +146,25 @@ class Checkpointer:
         self._direct_io = direct_io
         self._store = CheckpointStore(directory)
         self._init_distributed()
-        # Model and optimizer: on a GPU, copied on a side stream that the optimizer's
-        # next step is ordered after (checkpoints.gpu_copy).
-        self._snapshot = StateSnapshot(model=model, optimizer=optimizer)
-        self._small_snapshot = StateSnapshot()  # the rest: step, RNG, scheduler, extras
-        self._writer = BackgroundWriter()
         scheduled = every_steps is not None or every_seconds is not None
         # Calls of maybe_save left to prepare the snapshot buffers in (see _prepare_buffers).
         self._prepare_calls = _PREPARE_CALLS if scheduled and not sharded and self.rank == 0 else 0
-        self._preparing: threading.Thread | None = None  # nothing waits for it
         self._stop = StopSignal(grace_seconds=sigterm_grace_seconds)
         if handle_sigterm:
             self._stop.install()
         self._progress = progress or create_progress_reporter(rank=self.rank)
         if total_steps is not None:
             self._progress.set_total_steps(total_steps)
+        # The saves under way; on a GPU, the snapshot's copy runs on a side stream
+        # that the optimizer's next step is ordered after (checkpoints.gpu_copy).
+        self._saver = Saves(
+            self._store, model=model, optimizer=optimizer, keep=keep, direct_io=direct_io,
+            progress=self._progress,
+        )
+        #: The last saves of this rank, newest last.
+        self.saves: collections.deque[SaveRecord] = self._saver.records
         self._last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
-        self._reported: SaveRecord | None = None
-        self.saves: collections.deque[SaveRecord] = collections.deque(maxlen=100)
         self._closed = False
         # The restore epoch this run saves under (restore takes the next one).
         self._epoch = self._store.read_fence().epoch
@@ -231,21 +178,6 @@ class Checkpointer:
         self._live = self._make_live_link(on_resize)
         if self._live is not None:
             self._live.report(LiveState.READY, step=None)
-
-    def _make_live_link(self, on_resize: Callable[[Resize], None] | None) -> WorkerLink | None:
-        """The worker's end of the live-resize files, when the live path can be taken."""
-        directory = os.environ.get(PROGRESS_DIR_ENV)
-        distributed = dist.is_available() and dist.is_initialized()
-        if on_resize is None or not directory or not distributed:
-            return None
-        if self._sharded:
-            log.warning("no live resize with sharded state: a resize restarts the workers")
-            return None
-        return WorkerLink(Path(directory), local_rank=self._local_rank)
-
-    @property
-    def _local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
     def _make_jit(self, wanted: bool) -> JustInTimeSaver | None:
         local_rank = self._local_rank
@@ -328,7 +260,7 @@ class Checkpointer:
             if stale:
                 log.info("removed %d unfinished save(s): %s", len(stale), ", ".join(stale))
             fence = self._store.read_fence()
-            chosen, state = self._choose(fence)
+            chosen, state = choose(self._store, fence, sharded=self._sharded)
             epoch = fence.epoch + 1
             try:
                 self._store.write_fence(Fence(epoch=epoch, step=chosen))
@@ -344,7 +276,10 @@ class Checkpointer:
             self._live_step = 0
             return Resume(step=0, fresh=True, path=None, saved_world_size=None, extra={})
         path = self._store.path_of(chosen)
-        manifest, state = self._load_chosen(path, state)
+        manifest, state = load_chosen(
+            self._store, path, state, rank=self.rank, sharded=self._sharded, model=self._model,
+            optimizer=self._optimizer, group=self._dcp_group,
+        )
         extra = self._apply(  # sharded: DCP loaded the model and optimizer in place already
             state,
             model=None if self._sharded else self._model,
@@ -391,67 +326,6 @@ class Checkpointer:
         if self._load_extra_state is not None:
             self._load_extra_state(extra)
         return extra
-
-    def _choose(self, fence: Fence) -> tuple[int, dict[str, Any] | None]:
-        """Rank 0: the newest checkpoint that verifies (and, if replicated, loads).
-
-        Just-in-time candidates take part (:mod:`checkpoints.jit`); one that is
-        chosen gets its step's final name, and the others are removed. A save
-        the fence rules out (made after the last restore by a process of an
-        older epoch) is moved aside like a corrupt one.
-        """
-        rejected: list[Candidate] = []
-        candidates = self._store.candidates()
-        for candidate in candidates:
-            path = candidate.path
-            try:
-                if candidate.jit and fence.fences_out(step=candidate.step, epoch=candidate.epoch):
-                    raise CheckpointCorruptError(path, None, _fenced(candidate.epoch, fence))
-                if self._sharded:
-                    manifest = self._store.verify(path)
-                    if manifest.kind != "sharded":
-                        raise CheckpointCorruptError(path, None, "it is not a sharded checkpoint")
-                    state = None
-                else:
-                    manifest, state = load_replicated(self._store, path)
-                if fence.fences_out(step=manifest.step, epoch=manifest.epoch):
-                    raise CheckpointCorruptError(path, None, _fenced(manifest.epoch, fence))
-            except CheckpointCorruptError as exc:
-                log.warning("%s; falling back to an older checkpoint", exc)
-                rejected.append(candidate)
-                continue
-            for bad in rejected:
-                moved = self._store.quarantine(bad.step, path=bad.path)
-                log.warning("moved rejected checkpoint %s aside to %s", bad.path.name, moved)
-            if candidate.jit:
-                log.info("resuming from the just-in-time save %s", path.name)
-                self._store.promote(candidate)
-            for other in candidates:
-                if other.jit and other is not candidate:
-                    self._store.remove_candidate(other)
-            return candidate.step, state
-        return -1, None
-
-    def _load_chosen(
-        self, path: Path, state: dict[str, Any] | None
-    ) -> tuple[Manifest, dict[str, Any]]:
-        try:
-            if self._sharded:
-                return sharded_io.load_sharded(
-                    self._store,
-                    path,
-                    model=self._model,
-                    optimizer=self._optimizer,
-                    group=self._dcp_group,
-                    checksums=self.rank == 0,
-                )
-            if state is not None:
-                return self._store.read_manifest(path), state
-            return load_replicated(self._store, path)
-        except CheckpointCorruptError as exc:
-            raise CheckpointError(
-                f"rank {self.rank} cannot load the checkpoint rank 0 chose: {exc}"
-            ) from exc
 
     # --------------------------------------------------------------------- save
 
@@ -518,8 +392,7 @@ class Checkpointer:
         self._closed = True
         if self._jit is not None:
             self._jit.disarm()
-        self._writer.wait()
-        self._snapshot.close()  # the optimizer's pre-step hook goes
+        self._saver.close()  # the save in flight; the optimizer's pre-step hook goes
         self._poll_writer()
         if self._consensus is not None:
             self._consensus.drain()
@@ -527,7 +400,7 @@ class Checkpointer:
         self._progress.flush()
         if self._live is not None:  # no longer able to resize: the runner restarts instead
             self._live.withdraw()
-        self._raise_if_failed()
+        self._saver.raise_if_failed()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -545,119 +418,6 @@ class Checkpointer:
             self._progress.flush()
             return
         self.close()
-
-    # -------------------------------------------------------------- live resize
-
-    def _act_live(self, step: int, agreed_round: int) -> None:
-        """At the boundary where the ranks agreed on a newer round: leave, resize, or go on."""
-        assert self._live is not None
-        action = self._live.action(agreed_round)
-        if action is Action.LEAVE:
-            self._leave(step)
-        elif action is Action.RESIZE:
-            self._resize(step, agreed_round)
-
-    def _quiesce(self) -> None:
-        """Before the group goes away: nothing of ours may still use it."""
-        if self._jit is not None:
-            self._jit.disarm()
-            self._jit = None
-        self._writer.wait()  # a save in flight finishes (a sharded one uses the group)
-        self._poll_writer()
-        if self._consensus is not None:
-            self._consensus.drain()  # the reduction launched at this boundary
-
-    def _leave(self, step: int) -> None:
-        """This node leaves: exit with EXIT_LEFT at the boundary where the others resize."""
-        log.warning(
-            "this node leaves the job: rank %d stops at step %d and exits with %d (no save: "
-            "the others hold the state)", self.rank, step, EXIT_LEFT,
-        )
-        self._quiesce()
-        assert self._live is not None
-        self._live.report(LiveState.LEFT, step=step)
-        self._closed = True
-        self._stop.uninstall()
-        self._progress.flush()
-        raise SystemExit(EXIT_LEFT)
-
-    def _resize(self, step: int, agreed_round: int) -> None:
-        """Re-form the process group of the agreed round at this boundary and train on.
-
-        Raises:
-            LiveResizeError: when this node's notice does not come in time.
-            CheckpointError, RuntimeError: when the group or the state sync fails.
-        """
-        assert self._live is not None and self._on_resize is not None
-        started = time.monotonic()
-        notice = self._live.notice(agreed_round)
-        self._live.report(LiveState.RESIZING, step=step)
-        self._previous_world_size = self.world_size
-        self._quiesce()
-        rejoin(notice, local_rank=self._local_rank)
-        self._init_distributed()
-        self._progress.rebind(rank=self.rank, world_size=self.world_size)
-        self._jit = self._make_jit(self._jit_wanted)
-        synced = self._sync_live()
-        if synced.state is not None:
-            raise LiveResizeError(
-                f"rank {self.rank} holds step {step} but rank {synced.source} holds "
-                f"{synced.step}: the ranks did not stop at the same step"
-            )
-        self._live.round = notice.round
-        self._on_resize(Resize(
-            rank=self.rank, world_size=self.world_size,
-            previous_world_size=self._previous_world_size, step=step, round=notice.round,
-        ))
-        if self._jit is not None:
-            self._jit.boundary(step)
-        self._live.report(LiveState.RESIZED, step=step)
-        log.info(
-            "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s",
-            step, self.rank, self.world_size, self._previous_world_size, notice.round,
-            time.monotonic() - started,
-        )
-
-    def _sync_live(self) -> SyncResult:
-        return sync_state(
-            live_step=self._live_step, group=self._group, model=self._model,
-            capture=self._live_state,
-        )
-
-    def _live_state(self) -> dict[str, Any]:
-        """What a joining rank receives: a checkpoint's state but the model, and our bookkeeping."""
-        state = self._small_state(self._live_step)
-        state["optimizer"] = self._optimizer.state_dict() if self._optimizer is not None else None
-        state["live"] = {
-            "epoch": self._epoch,
-            "last_saved_step": self._last_saved_step,
-            "world_size": self._previous_world_size,
-        }
-        return state
-
-    def _restore_live(self) -> Resume | None:
-        """A joining process: take the state of the ranks that train on; None if none does."""
-        synced = self._sync_live()
-        state = synced.state
-        if state is None:
-            return None
-        extra = self._apply(  # the model came in place
-            state, model=None, optimizer=self._optimizer,
-            path=Path(f"<the live state of rank {synced.source}>"),
-        )
-        live = state["live"]
-        self._epoch = int(live["epoch"])
-        self._last_saved_step = live["last_saved_step"]
-        self._last_save_time = time.monotonic()
-        self._live_step = synced.step
-        log.info(
-            "joined live at step %d: state received from rank %d (world size %d, was %d)",
-            synced.step, synced.source, self.world_size, live["world_size"],
-        )
-        return Resume(
-            step=synced.step, fresh=False, path=None, saved_world_size=int(live["world_size"]),
-            extra=extra,
-        )
 
     def _time_due(self) -> bool:
         if self._every_seconds is None:
@@ -677,10 +437,10 @@ class Checkpointer:
 
     def _save(self, step: int, *, wait_for_previous: bool, block: bool) -> bool:
         if step == self._last_saved_step:
-            self._writer.wait() if block else None
+            self._saver.writer.wait() if block else None
             self._poll_writer()
             return False
-        if self._writer.busy:
+        if self._saver.busy:
             if not wait_for_previous:
                 log.info(
                     "skipping the checkpoint of step %d: the previous save is still being "
@@ -688,19 +448,24 @@ class Checkpointer:
                     step,
                 )
                 return False
-            self._writer.wait()
+            self._saver.writer.wait()
             self._poll_writer()
         started = time.monotonic()
         self._last_saved_step = step
         self._last_save_time = started
+        where = Where(step=step, world_size=self.world_size, epoch=self._epoch, started=started)
         if self._sharded:
-            self._start_sharded(step, started, block=block)
+            self._saver.start_sharded(
+                self._small_state(step) if self.rank == 0 else None,
+                sharded_io.sharded_state(self._model, self._optimizer),
+                where, group=self._dcp_group, block=block,
+            )
         elif self.rank == 0:
-            self._start_replicated(step, started)
+            self._saver.start_replicated(self._small_state(step), self._large_state(), where)
         if block:
-            self._writer.wait()
+            self._saver.writer.wait()
             self._poll_writer()
-            self._raise_if_failed()
+            self._saver.raise_if_failed()
         return True
 
     def _small_state(self, step: int) -> dict[str, Any]:
@@ -737,155 +502,10 @@ class Checkpointer:
         if self._optimizer is not None and not self._optimizer.state and self._prepare_calls:
             return
         self._prepare_calls = 0
-        try:
-            job = self._snapshot.prepare(self._large_state())
-        except CheckpointStateError:
-            return  # the first save says what is wrong with the state
-        if job is not None:
-            self._preparing = run_in_background(job, name="checkpoint-buffers")
-
-    def _start_replicated(self, step: int, started: float) -> None:
-        tree = self._small_snapshot.take(self._small_state(step))
-        try:
-            # Model and optimizer in their own snapshot: the layout _prepare_buffers saw.
-            tree.update(self._snapshot.take(self._large_state()))
-        except BaseException:
-            self._small_snapshot.release()
-            raise
-        record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
-        self.saves.append(record)
-
-        def release() -> None:
-            self._snapshot.release()
-            self._small_snapshot.release()
-
-        def job() -> None:
-            try:
-                self._snapshot.wait()  # the device-to-host copy in flight, if any
-                path, manifest = write_replicated(
-                    self._store, tree, step=step, world_size=self.world_size, started=started,
-                    epoch=self._epoch,
-                )
-            finally:
-                release()  # torch.save is done with the buffers
-            self._finish(record, path, manifest, started)
-
-        self._submit(job, record, on_refused=release)
-
-    def _start_sharded(self, step: int, started: float, *, block: bool) -> None:
-        temp = self._store.new_temp_dir(step, token="sharded")  # noqa: S106 (a name, not a secret)
-        state = sharded_io.sharded_state(self._model, self._optimizer)
-        small = self._small_snapshot.take(self._small_state(step)) if self.rank == 0 else None
-        release = self._small_snapshot.release if small is not None else _nothing
-        try:
-            future = sharded_io.start_sharded_save(
-                state, temp, group=self._dcp_group, use_async=not block
-            )
-        except BaseException:
-            release()
-            raise
-        record = SaveRecord(step=step, stall_seconds=time.monotonic() - started)
-        self.saves.append(record)
-
-        def job() -> None:
-            try:
-                if future is not None:
-                    future.result()
-                if small is None:
-                    record.save_seconds = time.monotonic() - started
-                    return
-                path, manifest = sharded_io.commit_sharded(
-                    self._store, temp, small, step=step, world_size=self.world_size,
-                    started=started, epoch=self._epoch,
-                )
-            finally:
-                release()
-            self._finish(record, path, manifest, started)
-
-        self._submit(job, record, on_refused=release)
-
-    def _finish(self, record: SaveRecord, path: Path, manifest: Manifest, started: float) -> None:
-        """In the writer thread, after a commit: prune, then note the result."""
-        pruned = self._store.prune(self._keep)
-        if pruned:
-            log.debug("deleted checkpoints of steps %s", pruned)
-        record.path = path
-        record.save_seconds = time.monotonic() - started
-
-    def _submit(
-        self, job: Callable[[], None], record: SaveRecord, *, on_refused: Callable[[], None]
-    ) -> None:
-        """Run ``job`` in the writer; ``on_refused`` releases what it would have released."""
-
-        def guarded() -> None:
-            before = _thread_cpu()
-            try:
-                with use_direct_io(self._direct_io):
-                    job()
-            except BaseException as exc:
-                record.error = str(exc)
-                raise
-            finally:
-                after = _thread_cpu()
-                if before is not None and after is not None:
-                    record.writer_user_seconds = after[0] - before[0]
-                    record.writer_system_seconds = after[1] - before[1]
-
-        try:
-            self._writer.submit(guarded, name=f"checkpoint-step-{record.step}")
-        except BaseException:
-            on_refused()
-            raise
+        self._saver.prepare(self._large_state())
 
     def _poll_writer(self) -> None:
-        """On the training thread: report a finished save once."""
-        if self._writer.busy or not self.saves:
-            return
-        record = self.saves[-1]
-        if record is self._reported:
-            return
-        self._reported = record
-        if record.error is not None:
-            self._progress.save_failed(record.error)
+        """On the training thread: report a finished save once; a failed one may be retried."""
+        record = self._saver.poll()
+        if record is not None and record.error is not None:
             self._last_saved_step = None  # let the next save of this step try again
-        elif record.path is not None and record.save_seconds is not None:
-            log.info(
-                "checkpoint of step %d committed in %.2f s (training blocked %.3f s)",
-                record.step,
-                record.save_seconds,
-                record.stall_seconds,
-            )
-            self._progress.checkpoint_saved(
-                step=record.step,
-                wall_time=time.time(),
-                save_seconds=record.save_seconds,
-                stall_seconds=record.stall_seconds,
-            )
-
-    def _raise_if_failed(self) -> None:
-        error = self._writer.last_error
-        if error is None:
-            return
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointWriteError(f"the last checkpoint save failed: {error}") from error
-
-
-def _fenced(epoch: int, fence: Fence) -> str:
-    return (
-        f"it was saved in epoch {epoch} after the job had restored step {fence.step} in epoch "
-        f"{fence.epoch} (a fenced-out process's late save)"
-    )
-
-
-def _nothing() -> None:
-    """Nothing to release (a rank that took no snapshot)."""
-
-
-def _thread_cpu() -> tuple[float, float] | None:
-    """User and system CPU seconds of the calling thread so far; None off Linux."""
-    who = getattr(resource, "RUSAGE_THREAD", None)
-    if who is None:
-        return None
-    usage = resource.getrusage(who)
-    return usage.ru_utime, usage.ru_stime

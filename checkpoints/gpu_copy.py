@@ -77,10 +77,15 @@ def copy_path(
 def stable_tensors(
     model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> set[int]:
-    """Storage addresses of the tensors only ``optimizer.step()`` changes: the model's
-    and the optimizer's parameters and the optimizer's state (not the module buffers
-    the forward updates)."""
-    stable = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+    """Storage addresses of the tensors only ``optimizer.step()`` changes.
+
+    The optimizer's parameters and state, and the model's frozen parameters
+    (``requires_grad=False``: nothing steps them). Not the module buffers the
+    forward updates, nor a trainable parameter another optimizer may step.
+    """
+    stable: set[int] = set()
+    if model is not None:
+        stable.update(p.data_ptr() for p in model.parameters() if not p.requires_grad)
     if optimizer is not None:
         for group in optimizer.param_groups:
             stable.update(p.data_ptr() for p in group["params"])

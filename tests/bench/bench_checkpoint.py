@@ -311,7 +311,7 @@ class Modes:
                 stall = record.stall_seconds
         if mode in self.checkpointers:
             before = time.perf_counter()
-            self.checkpointers[mode]._writer.wait()
+            self.checkpointers[mode]._saver.writer.wait()
             wait = time.perf_counter() - before
         seconds = time.perf_counter() - started
         return Block(
@@ -473,7 +473,7 @@ def test_bench_checkpoint_cost(tmp_path: Path) -> None:
     sets = paired_blocks(modes, step)
     modes.close()
     step_times = [s[MODES[0]].seconds / BLOCK_STEPS for s in sets]
-    state_bytes = modes.checkpointers[MODES[1]]._snapshot.nbytes
+    state_bytes = modes.checkpointers[MODES[1]]._saver.snapshot.nbytes
     restore_direct = restore_seconds(tmp_path / "direct")
     restore_buffered = restore_seconds(tmp_path / "buffered")
     floor = copy_floor(state_bytes)

@@ -127,9 +127,9 @@ class Modes:
             jit_save=False,
         )
         if mode == WAITED:  # no optimizer to order the step: the copy is waited for
-            ckpt._snapshot = StateSnapshot()
+            ckpt._saver.snapshot = StateSnapshot()
         elif mode == STAGED:
-            ckpt._snapshot = StateSnapshot(
+            ckpt._saver.snapshot = StateSnapshot(
                 model=self._model, optimizer=self._optimizer, stage_on_device=True
             )
         return ckpt
@@ -154,7 +154,7 @@ class Modes:
         if mode in self.checkpointers:
             ckpt = self.checkpointers[mode]
             before = time.perf_counter()
-            ckpt._writer.wait()
+            ckpt._saver.writer.wait()
             block.wait, block.save = time.perf_counter() - before, ckpt.saves[-1]
         return block
 
@@ -222,7 +222,7 @@ def run_benchmark(root: Path, device: torch.device, size: str) -> list[str]:
     finally:
         modes.close()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    state_bytes = modes.checkpointers[SIDE]._snapshot.nbytes
+    state_bytes = modes.checkpointers[SIDE]._saver.snapshot.nbytes
     return report(sets, params=params, state_bytes=state_bytes, name=name)
 
 

@@ -12,8 +12,10 @@ import torch
 
 import checkpoints as ck
 import checkpoints.checkpointer as checkpointer_module
+import checkpoints.saving as saving_module
 from checkpoints.async_save import StateSnapshot
 from checkpoints.errors import CheckpointStateError, CheckpointWriteError
+from checkpoints.state import load_replicated
 
 
 def test_the_snapshot_reuses_its_buffers_and_copies_values() -> None:
@@ -154,14 +156,14 @@ def test_a_save_in_flight_keeps_its_values_while_training_goes_on(
 ) -> None:
     release = threading.Event()
     written: list[Any] = []
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
 
     def slow_write(store: Any, tree: Any, **kwargs: Any) -> Any:
         written.append(tree)
         assert release.wait(30), "the test never released the writer"
         return real_write(store, tree, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", slow_write)
+    monkeypatch.setattr(saving_module, "write_replicated", slow_write)
     net = _Net()
     ckpt = ck.Checkpointer(tmp_path, model=net.model, optimizer=net.optimizer, handle_sigterm=False)
     net.step()
@@ -176,14 +178,14 @@ def test_a_save_in_flight_keeps_its_values_while_training_goes_on(
     assert first["model"]["weight"].data_ptr() == second["model"]["weight"].data_ptr()
     assert not torch.equal(at_step_1["weight"], net.weights()["weight"])
     for step, expected in [(1, at_step_1), (4, net.weights())]:
-        _, state = checkpointer_module.load_replicated(ckpt._store, tmp_path / f"step-{step:010d}")
+        _, state = load_replicated(ckpt._store, tmp_path / f"step-{step:010d}")
         torch.testing.assert_close(state["model"], expected, rtol=0, atol=0)
 
 
 def test_a_failed_write_releases_the_snapshot_for_the_next_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
     failures = [CheckpointWriteError("disk full (injected)")]
 
     def failing_once(*args: Any, **kwargs: Any) -> Any:
@@ -191,13 +193,13 @@ def test_a_failed_write_releases_the_snapshot_for_the_next_save(
             raise failures.pop()
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", failing_once)
+    monkeypatch.setattr(saving_module, "write_replicated", failing_once)
     net = _Net()
     ckpt = ck.Checkpointer(tmp_path, model=net.model, optimizer=net.optimizer, handle_sigterm=False)
     net.step()
     ckpt.save(1)
-    ckpt._writer.wait()
-    assert not ckpt._snapshot.held
+    ckpt._saver.writer.wait()
+    assert not ckpt._saver.snapshot.held
     net.step()
     ckpt.save(2)
     ckpt.close()
@@ -208,13 +210,13 @@ def test_a_failed_write_releases_the_snapshot_for_the_next_save(
 
 def _capture_writes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     written: list[Any] = []
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
 
     def capturing(store: Any, tree: Any, **kwargs: Any) -> Any:
         written.append(tree)
         return real_write(store, tree, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", capturing)
+    monkeypatch.setattr(saving_module, "write_replicated", capturing)
     return written
 
 
@@ -228,10 +230,10 @@ def test_the_first_save_finds_its_buffers_prepared_in_the_background(
     )
     net.step()
     assert not ckpt.maybe_save(1)  # not due: a background thread prepares the buffers
-    assert ckpt._preparing is not None
-    ckpt._preparing.join(30)
-    assert ckpt._snapshot.nbytes == (3 * (4 * 3 + 3) + 2) * 4  # weights, 2 moments, 2 steps
-    prepared = {b.data_ptr() for b in ckpt._snapshot._buffers}
+    assert ckpt._saver.preparing is not None
+    ckpt._saver.preparing.join(30)
+    assert ckpt._saver.snapshot.nbytes == (3 * (4 * 3 + 3) + 2) * 4  # weights, 2 moments, 2 steps
+    prepared = {b.data_ptr() for b in ckpt._saver.snapshot._buffers}
     net.step()
     ckpt.maybe_save(2)
     net.step()
@@ -248,7 +250,7 @@ def test_nothing_is_prepared_when_checkpointing_is_off(tmp_path: Path) -> None:
     for step in range(1, 4):
         net.step()
         ckpt.maybe_save(step)
-    assert ckpt._snapshot.nbytes == 0 and not ckpt._writer.busy
+    assert ckpt._saver.snapshot.nbytes == 0 and not ckpt._saver.writer.busy
     ckpt.close()
 
 
@@ -259,12 +261,12 @@ def test_buffers_are_prepared_without_optimizer_state_after_a_few_calls(tmp_path
         tmp_path, model=model, optimizer=optimizer, every_steps=1000, handle_sigterm=False
     )
     calls = 0
-    while ckpt._preparing is None and calls < 100:
+    while ckpt._saver.preparing is None and calls < 100:
         calls += 1
         ckpt.maybe_save(calls)
     assert calls == checkpointer_module._PREPARE_CALLS
-    ckpt._preparing.join(30)
-    assert ckpt._snapshot.nbytes == (12 + 3) * 4
+    ckpt._saver.preparing.join(30)
+    assert ckpt._saver.snapshot.nbytes == (12 + 3) * 4
     ckpt.close()
 
 
@@ -276,7 +278,7 @@ def test_a_save_due_while_the_buffers_are_prepared_neither_waits_nor_is_skipped(
         tmp_path, model=net.model, optimizer=net.optimizer, every_steps=2, handle_sigterm=False
     )
     release = threading.Event()
-    real_prepare = ckpt._snapshot.prepare
+    real_prepare = ckpt._saver.snapshot.prepare
 
     def slow_prepare(tree: Any) -> Any:
         job = real_prepare(tree)
@@ -287,17 +289,17 @@ def test_a_save_due_while_the_buffers_are_prepared_neither_waits_nor_is_skipped(
 
         return slow_job
 
-    monkeypatch.setattr(ckpt._snapshot, "prepare", slow_prepare)
+    monkeypatch.setattr(ckpt._saver.snapshot, "prepare", slow_prepare)
     net.step()
     ckpt.maybe_save(1)
-    assert ckpt._preparing is not None and ckpt._preparing.is_alive()
+    assert ckpt._saver.preparing is not None and ckpt._saver.preparing.is_alive()
     net.step()
     assert ckpt.maybe_save(2)  # due: allocates its own buffers, does not wait
-    ckpt._writer.wait()
-    pointer = ckpt._snapshot._buffers[0].data_ptr()
+    ckpt._saver.writer.wait()
+    pointer = ckpt._saver.snapshot._buffers[0].data_ptr()
     release.set()
-    ckpt._preparing.join(30)
-    assert ckpt._snapshot._buffers[0].data_ptr() == pointer  # the late job changed nothing
+    ckpt._saver.preparing.join(30)
+    assert ckpt._saver.snapshot._buffers[0].data_ptr() == pointer  # the late job changed nothing
     net.step()
     ckpt.maybe_save(3)
     net.step()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpoints as ck
-import checkpoints.checkpointer as checkpointer_module
+import checkpoints.saving as saving_module
 from checkpoints.errors import CheckpointStateError
 
 
@@ -121,13 +121,13 @@ def test_a_due_save_is_skipped_with_a_log_line_while_one_is_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     release = threading.Event()
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
 
     def slow_write(*args: Any, **kwargs: Any) -> Any:
         assert release.wait(30), "the test never released the writer"
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", slow_write)
+    monkeypatch.setattr(saving_module, "write_replicated", slow_write)
     job = Job()
     caplog.set_level(logging.INFO, logger="checkpoints")
     with job.checkpointer(tmp_path, every_steps=2) as ckpt:
@@ -170,7 +170,7 @@ def test_a_failed_save_is_reported_and_leaves_older_checkpoints_intact(
     ckpt.restore()
     job.step()
     ckpt.save(1)
-    ckpt._writer.wait()
+    ckpt._saver.writer.wait()
     # The checkpoint root stops being a directory: the next save cannot even start writing.
     shutil.move(root, tmp_path / "moved")
     root.write_text("not a directory")

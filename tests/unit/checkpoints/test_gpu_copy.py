@@ -18,7 +18,7 @@ import torch
 
 import checkpoints as ck
 import checkpoints.async_save as async_save
-import checkpoints.checkpointer as checkpointer_module
+import checkpoints.saving as saving_module
 from checkpoints.async_save import StateSnapshot
 from checkpoints.gpu_copy import CopyPath, SideStreamCopy, copy_path, stable_tensors
 from checkpoints.state import load_replicated
@@ -95,7 +95,16 @@ def test_stable_tensors_are_parameters_and_optimizer_state_not_buffers() -> None
     assert model[0].weight.data_ptr() in stable
     assert optimizer.state[model[0].weight]["exp_avg"].data_ptr() in stable
     assert model[1].running_mean.data_ptr() not in stable
-    assert stable_tensors(None, optimizer) == stable  # the optimizer knows the parameters too
+    assert stable_tensors(None, optimizer) == stable  # the optimizer knows the parameters
+
+
+def test_a_trainable_parameter_outside_the_optimizer_is_not_stable_a_frozen_one_is() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[2].requires_grad_(False)
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)  # model[1]: another optimizer's
+    stable = stable_tensors(model, optimizer)
+    assert model[0].weight.data_ptr() in stable and model[2].weight.data_ptr() in stable
+    assert model[1].weight.data_ptr() not in stable
 
 
 def test_the_guard_orders_each_optimizer_step_after_the_copy(
@@ -204,13 +213,13 @@ def test_the_checkpointer_writes_only_once_the_copy_is_done_and_unhooks_at_close
     _side_stream_everywhere(monkeypatch)
     orders = _count_orders(monkeypatch)
     events: list[str] = []
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
 
     def write(store: Any, tree: Any, **kwargs: Any) -> Any:
         events.append("write")
         return real_write(store, tree, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", write)
+    monkeypatch.setattr(saving_module, "write_replicated", write)
     real_wait = StateSnapshot.wait
 
     def wait(self: StateSnapshot) -> None:
@@ -265,13 +274,13 @@ def on_cpu(tree: Any) -> Any:
 def hold_the_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The writer reads the snapshot only once the returned event is set."""
     go = threading.Event()
-    real_write = checkpointer_module.write_replicated
+    real_write = saving_module.write_replicated
 
     def held(store: Any, tree: Any, **kwargs: Any) -> Any:
         assert go.wait(60), "the test never let the writer go"
         return real_write(store, tree, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "write_replicated", held)
+    monkeypatch.setattr(saving_module, "write_replicated", held)
     return go
 
 
@@ -289,13 +298,13 @@ def test_a_checkpoint_holds_its_steps_state_while_training_goes_on(
     go = hold_the_writer(monkeypatch)
     model, optimizer, step = cuda_job()
     ckpt = ck.Checkpointer(tmp_path, model=model, optimizer=optimizer, handle_sigterm=False)
-    ckpt._snapshot = StateSnapshot(
+    ckpt._saver.snapshot = StateSnapshot(
         model=model, optimizer=optimizer, stage_on_device=stage_on_device
     )
     step()
     expected = on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     ckpt.save(1)
-    assert ckpt._snapshot.path is CopyPath.SIDE_STREAM
+    assert ckpt._saver.snapshot.path is CopyPath.SIDE_STREAM
     for _ in range(5):
         step()  # parameters, moments and running statistics move on (the forward, the step)
     now = on_cpu(model.state_dict())
@@ -319,19 +328,19 @@ def test_a_save_returns_before_its_copy_is_done_and_reuses_pinned_buffers(
     ckpt = ck.Checkpointer(tmp_path, model=model, optimizer=optimizer, handle_sigterm=False)
     step()
     ckpt.save(1)  # the first save pins its buffers
-    buffers = [b.data_ptr() for b in ckpt._snapshot._buffers]
-    assert all(b.is_pinned() for b in ckpt._snapshot._buffers)
-    ckpt._writer.wait()
+    buffers = [b.data_ptr() for b in ckpt._saver.snapshot._buffers]
+    assert all(b.is_pinned() for b in ckpt._saver.snapshot._buffers)
+    ckpt._saver.writer.wait()
     step()
     expected = on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     torch.cuda._sleep(2_000_000_000)  # the training stream is busy for about a second
     ckpt.save(2)  # the copy waits behind that on its side stream; the save does not
-    copy = ckpt._snapshot._copier._done
+    copy = ckpt._saver.snapshot._copier._done
     assert copy is not None and not copy.query()
     step()  # the next forward, backward and step are queued, not waited for either
     assert not torch.cuda.current_stream().query()
     ckpt.close()
-    assert [b.data_ptr() for b in ckpt._snapshot._buffers] == buffers
+    assert [b.data_ptr() for b in ckpt._saver.snapshot._buffers] == buffers
     state = saved(tmp_path, 2)
     torch.testing.assert_close(state["model"], expected["model"], rtol=0, atol=0)
     torch.testing.assert_close(

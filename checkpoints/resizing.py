@@ -1,0 +1,207 @@
+"""The live resize at a step boundary, as the checkpointer takes part in it.
+
+With ``on_resize=`` given (and the runner's files to talk through), the ranks
+agree at each ``maybe_save`` on the newest resize round their runners
+announced (:mod:`checkpoints.live`). At the boundary where they do, a node that
+leaves exits with :data:`~checkpoints.live.EXIT_LEFT`; the others re-form the
+process group of the new round, sync the state to joining ranks and call
+``on_resize`` to rebuild DDP and the data pipeline, without a restart. A joining
+process receives the state in :meth:`~checkpoints.checkpointer.Checkpointer.restore`.
+
+:class:`LiveResizing` is the part of the
+:class:`~checkpoints.checkpointer.Checkpointer` that does this; the names it
+declares without defining are the checkpointer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoints.jit import JustInTimeSaver
+from checkpoints.live import (
+    EXIT_LEFT,
+    Action,
+    LiveResizeError,
+    LiveState,
+    Resize,
+    SyncResult,
+    WorkerLink,
+    rejoin,
+    sync_state,
+)
+from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter
+from checkpoints.restoring import Resume
+from checkpoints.saving import Saves
+from checkpoints.signals import StepConsensus, StopSignal
+
+__all__ = ["LiveResizing"]
+
+log = logging.getLogger("checkpoints.checkpointer")
+
+
+class LiveResizing:
+    """Leave, resize or join live at a step boundary (a mixin of the Checkpointer)."""
+
+    # The checkpointer's, set in its constructor.
+    rank: int
+    world_size: int
+    _model: torch.nn.Module
+    _optimizer: torch.optim.Optimizer | None
+    _sharded: bool
+    _group: dist.ProcessGroup | None
+    _consensus: StepConsensus | None
+    _jit: JustInTimeSaver | None
+    _jit_wanted: bool
+    _saver: Saves
+    _progress: ProgressReporter
+    _stop: StopSignal
+    _closed: bool
+    _epoch: int
+    _last_saved_step: int | None
+    _last_save_time: float
+    # The live resize's own: the step this process holds in memory (-1: nothing
+    # yet), the world size before the last resize, the callback, the runner's files.
+    _live_step: int
+    _previous_world_size: int
+    _on_resize: Callable[[Resize], None] | None
+    _live: WorkerLink | None
+    # The checkpointer's methods this part calls.
+    _init_distributed: Callable[[], None]
+    _make_jit: Callable[[bool], JustInTimeSaver | None]
+    _small_state: Callable[[int], dict[str, Any]]
+    _apply: Callable[..., dict[str, Any]]
+    _poll_writer: Callable[[], None]
+
+    @property
+    def _local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    def _make_live_link(self, on_resize: Callable[[Resize], None] | None) -> WorkerLink | None:
+        """The worker's end of the live-resize files, when the live path can be taken."""
+        directory = os.environ.get(PROGRESS_DIR_ENV)
+        distributed = dist.is_available() and dist.is_initialized()
+        if on_resize is None or not directory or not distributed:
+            return None
+        if self._sharded:
+            log.warning("no live resize with sharded state: a resize restarts the workers")
+            return None
+        return WorkerLink(Path(directory), local_rank=self._local_rank)
+
+    def _act_live(self, step: int, agreed_round: int) -> None:
+        """At the boundary where the ranks agreed on a newer round: leave, resize, or go on."""
+        assert self._live is not None
+        action = self._live.action(agreed_round)
+        if action is Action.LEAVE:
+            self._leave(step)
+        elif action is Action.RESIZE:
+            self._resize(step, agreed_round)
+
+    def _quiesce(self) -> None:
+        """Before the group goes away: nothing of ours may still use it."""
+        if self._jit is not None:
+            self._jit.disarm()
+            self._jit = None
+        self._saver.writer.wait()  # a save in flight finishes (a sharded one uses the group)
+        self._poll_writer()
+        if self._consensus is not None:
+            self._consensus.drain()  # the reduction launched at this boundary
+
+    def _leave(self, step: int) -> None:
+        """This node leaves: exit with EXIT_LEFT at the boundary where the others resize."""
+        log.warning(
+            "this node leaves the job: rank %d stops at step %d and exits with %d (no save: "
+            "the others hold the state)", self.rank, step, EXIT_LEFT,
+        )
+        self._quiesce()
+        assert self._live is not None
+        self._live.report(LiveState.LEFT, step=step)
+        self._closed = True
+        self._stop.uninstall()
+        self._progress.flush()
+        raise SystemExit(EXIT_LEFT)
+
+    def _resize(self, step: int, agreed_round: int) -> None:
+        """Re-form the process group of the agreed round at this boundary and train on.
+
+        Raises:
+            LiveResizeError: when this node's notice does not come in time.
+            CheckpointError, RuntimeError: when the group or the state sync fails.
+        """
+        assert self._live is not None and self._on_resize is not None
+        started = time.monotonic()
+        notice = self._live.notice(agreed_round)
+        self._live.report(LiveState.RESIZING, step=step)
+        self._previous_world_size = self.world_size
+        self._quiesce()
+        rejoin(notice, local_rank=self._local_rank)
+        self._init_distributed()
+        self._progress.rebind(rank=self.rank, world_size=self.world_size)
+        self._jit = self._make_jit(self._jit_wanted)
+        synced = self._sync_live()
+        if synced.state is not None:
+            raise LiveResizeError(
+                f"rank {self.rank} holds step {step} but rank {synced.source} holds "
+                f"{synced.step}: the ranks did not stop at the same step"
+            )
+        self._live.round = notice.round
+        self._on_resize(Resize(
+            rank=self.rank, world_size=self.world_size,
+            previous_world_size=self._previous_world_size, step=step, round=notice.round,
+        ))
+        if self._jit is not None:
+            self._jit.boundary(step)
+        self._live.report(LiveState.RESIZED, step=step)
+        log.info(
+            "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s",
+            step, self.rank, self.world_size, self._previous_world_size, notice.round,
+            time.monotonic() - started,
+        )
+
+    def _sync_live(self) -> SyncResult:
+        return sync_state(
+            live_step=self._live_step, group=self._group, model=self._model,
+            capture=self._live_state,
+        )
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a joining rank receives: a checkpoint's state but the model, and our bookkeeping."""
+        state = self._small_state(self._live_step)
+        state["optimizer"] = self._optimizer.state_dict() if self._optimizer is not None else None
+        state["live"] = {
+            "epoch": self._epoch,
+            "last_saved_step": self._last_saved_step,
+            "world_size": self._previous_world_size,
+        }
+        return state
+
+    def _restore_live(self) -> Resume | None:
+        """A joining process: take the state of the ranks that train on; None if none does."""
+        synced = self._sync_live()
+        state = synced.state
+        if state is None:
+            return None
+        extra = self._apply(  # the model came in place
+            state, model=None, optimizer=self._optimizer,
+            path=Path(f"<the live state of rank {synced.source}>"),
+        )
+        live = state["live"]
+        self._epoch = int(live["epoch"])
+        self._last_saved_step = live["last_saved_step"]
+        self._last_save_time = time.monotonic()
+        self._live_step = synced.step
+        log.info(
+            "joined live at step %d: state received from rank %d (world size %d, was %d)",
+            synced.step, synced.source, self.world_size, live["world_size"],
+        )
+        return Resume(
+            step=synced.step, fresh=False, path=None, saved_world_size=int(live["world_size"]),
+            extra=extra,
+        )
