@@ -17,6 +17,12 @@ from tests.support.agents import SESSION_VAR, AgentCluster
 from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents
 from tests.support.processes import ProcessGroupRegistry
 
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment; the CLI
+# fits its tables to COLUMNS, and the tests of a pipe's output expect none, as in a serial run.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 # Every process this session starts inherits it (see tests.support.agents.processes_of_node).
 os.environ[SESSION_VAR] = str(os.getpid())
 
