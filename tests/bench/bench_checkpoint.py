@@ -43,6 +43,11 @@ measures below; the third table lists every set's wall-time differences:
   kernel threads doing writeback for the writer, if any, and anything else
   running.
 
+A second test (``-k overlap``) asks whether the GPU's overlap would pay on CPU
+state: the snapshot's copy inline after a step against the copy in a thread
+during the next forward and backward, joined in an optimizer pre-step hook, in
+paired blocks of ``OVERLAP_BLOCK_STEPS`` steps (``BENCH_CHECKPOINT_PAIRS`` sets).
+
 No assertion is made on time.
 """
 
@@ -55,6 +60,7 @@ import random
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -523,3 +529,74 @@ def test_bench_checkpoint_cost(tmp_path: Path) -> None:
     ]
     print("\n" + "\n".join(lines))
     assert len(sets) == PAIRS
+
+
+# ------------------------------------------------------------------ overlap on CPU state
+
+OVERLAP_MODES = ("off", "copy inline", "copy in a thread, joined before the next step")
+OVERLAP_BLOCK_STEPS = 6
+
+
+class CopyOverlap:
+    """The snapshot's copy inline after a step, or in a thread during the next forward and
+    backward, joined in an optimizer pre-step hook (what the GPU's side stream does)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._model, self._optimizer = model, optimizer
+        self._snapshot = StateSnapshot()
+        self._pending: list[threading.Thread] = []
+        self.hook = optimizer.register_step_pre_hook(self._join)
+        self.inline: list[float] = []
+
+    def _join(self, *_: Any) -> None:
+        while self._pending:
+            self._pending.pop().join()
+
+    def _copy(self, tree: dict[str, Any]) -> None:
+        self._snapshot.take(tree)
+        self._snapshot.release()
+
+    def run(self, mode: str, step: Step) -> float:
+        started = time.perf_counter()
+        for i in range(OVERLAP_BLOCK_STEPS):
+            step()
+            if i + 1 != SAVE_AT or mode == OVERLAP_MODES[0]:
+                continue
+            tree = large_state(self._model, self._optimizer)
+            if mode == OVERLAP_MODES[1]:
+                before = time.perf_counter()
+                self._copy(tree)
+                self.inline.append(time.perf_counter() - before)
+            else:
+                thread = threading.Thread(target=self._copy, args=(tree,))
+                thread.start()
+                self._pending.append(thread)
+        return time.perf_counter() - started
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(1800)
+def test_bench_cpu_copy_overlap() -> None:
+    """Whether overlapping the CPU snapshot's copy with the next step would pay (it was not
+    added: see docs/benchmarks.md)."""
+    load_before = os.getloadavg()
+    model, optimizer, step = make_job()
+    overlap = CopyOverlap(model, optimizer)
+    overlap.run(OVERLAP_MODES[1], step)  # the buffers
+    sets = rotating_sets(lambda mode: overlap.run(mode, step), OVERLAP_MODES, PAIRS)
+    overlap.hook.remove()
+    off, inline, thread = ([s[m] for s in sets] for m in OVERLAP_MODES)
+    lines = [
+        f"load average before: {loads(load_before)}, after: {loads()}; "
+        f"{torch.get_num_threads()} threads; {PAIRS} sets of {OVERLAP_BLOCK_STEPS} steps",
+        row("training step, mean of an off block (s)", [b / OVERLAP_BLOCK_STEPS for b in off]),
+        row("the copy inline: snapshot into reused buffers (s)", overlap.inline[1:]),
+        "",
+        "| paired difference per save, within each set | median | interquartile range "
+        "| 95% CI of median | n |",
+        "|---|---|---|---|---|",
+        paired_row("copy inline - off (s)", [a - b for a, b in zip(inline, off, strict=True)]),
+        paired_row("copy in a thread - off (s)", [a - b for a, b in zip(thread, off, strict=True)]),
+        paired_row("thread - inline (s)", [a - b for a, b in zip(thread, inline, strict=True)]),
+    ]
+    print("\n" + "\n".join(lines))
