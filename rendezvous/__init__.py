@@ -3,8 +3,13 @@
 ``rendezvous.client`` (the client factory and facade), ``rendezvous.keys`` (the
 key layout), ``rendezvous.etcd_server`` (an embedded etcd), the node registry,
 leases, watches and leader election are importable without torch: the
-coordinator uses them and must stay light. Only ``rendezvous.torch_backend``
-(the etcd-v3 backend for torch.distributed.elastic) imports torch.
+coordinator and the agent daemon use them and must stay light. So are the
+contracts both sides of a job share: ``records``, ``worker_env``,
+``progress_file``, ``live_files`` and ``assigned_rounds``. Only the torch
+rendezvous implementations import torch: ``torch_backend`` (the etcd-v3 backend
+for torch.distributed.elastic), ``assigned`` (the agents' rendezvous handler)
+and ``etcd_store`` (the c10d store in etcd); ``tests/unit/rendezvous/test_no_torch.py``
+checks the rest.
 """
 
 from rendezvous.errors import (
