@@ -7,9 +7,9 @@ coordinator and the agent daemon use them and must stay light. So are the
 contracts both sides of a job share: ``records``, ``worker_env``,
 ``progress_file``, ``live_files`` and ``assigned_rounds``. Only the torch
 rendezvous implementations import torch: ``torch_backend`` (the etcd-v3 backend
-for torch.distributed.elastic), ``assigned`` (the agents' rendezvous handler)
-and ``etcd_store`` (the c10d store in etcd); ``tests/unit/rendezvous/test_no_torch.py``
-checks the rest.
+for torch.distributed.elastic), ``assigned`` (the agents' rendezvous handler, with
+``assigned_join``, its own join record) and ``etcd_store`` (the c10d store in
+etcd); ``tests/unit/rendezvous/test_no_torch.py`` checks the rest.
 """
 
 from rendezvous.errors import (

@@ -35,21 +35,19 @@ workers failed and that re-joined), or a later round was completed without
 this node. The runner (:mod:`agent.runner`) asks on every monitor
 tick; it costs no etcd call. The records, and what is decided from them
 (rank order, completion, obsolescence), are pure and live in
-:mod:`rendezvous.assigned_rounds`; this handler reads, probes and writes.
+:mod:`rendezvous.assigned_rounds`; this node's own join record is put, put
+back and withdrawn by :mod:`rendezvous.assigned_join`; this handler reads,
+probes and writes rounds.
 
 An etcd outage does not break a running round: leases survive a restarted
 etcd, and a runner that lost its lease while etcd was unreachable puts its
 record back under a new lease once etcd answers, without restarting its
 workers (unless the others went on without it meanwhile).
 
-A join record is *fenced* by the node's assignment (``fence``): it is put in
-a transaction that holds only while ``assignments/<node>/<job>`` still holds
-this runner's generation. A runner cut off from etcd long enough for the
-coordinator to drop its node would otherwise put its record back when the
-network heals, a moment before its agent stops it; the others would form a
-round with it, and wait in that round's store for a member that never
-comes. Once the assignment is gone or rewritten, the runner cannot join
-again (:class:`AssignmentWithdrawnError`).
+A join record is *fenced* by the node's assignment (``fence``): a runner
+whose assignment is gone or rewritten cannot join again
+(:class:`~rendezvous.assigned_join.AssignmentWithdrawnError`; why, in
+:mod:`rendezvous.assigned_join`).
 """
 
 from __future__ import annotations
@@ -71,6 +69,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from rendezvous.assigned_join import AssignmentWithdrawnError, JoinRecordKeeper
 from rendezvous.assigned_rounds import (
     Change,
     Fence,
@@ -87,12 +86,12 @@ from rendezvous.client import Compare, Delete, EtcdClient, Put, WatchEvent
 from rendezvous.errors import EtcdError
 from rendezvous.etcd_store import EtcdV3Store
 from rendezvous.keys import Keys, validate_id
-from rendezvous.lease import LeaseKeeper
 from rendezvous.liveness import LivenessServer, PeerMonitor, Probe, probe
-from rendezvous.records import Assignment
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
+
+__all__ = ["BACKEND_NAME", "AssignedRendezvousHandler", "AssignmentWithdrawnError"]
 
 BACKEND_NAME = "tidal-assigned"
 # The round and closed records outlive every runner (they carry no runner's
@@ -101,11 +100,6 @@ RECORD_TTL_S = 2 * 3600
 # While waiting, membership is re-evaluated on every watch event and at least
 # this often (for probes, and for assignments, which are not watched).
 REEVALUATE_S = 0.25
-
-
-class AssignmentWithdrawnError(RendezvousClosedError):
-    """This node's assignment of the job is gone or holds another generation:
-    this runner may not join a round of it again."""
 
 
 class AssignedRendezvousHandler(RendezvousHandler):
@@ -161,10 +155,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._keys = Keys(root)
         self._expected_nodes = expected_nodes
         self._assigned_wait_s = assigned_wait_s
-        self._lease_ttl_s = lease_ttl_s
         self._join_timeout_s = join_timeout_s
         self._store_timeout = datetime.timedelta(seconds=store_timeout_s)
-        self._fence = fence
         self._joins_prefix = self._keys.assigned_joins_prefix(run_id)
         self._round_key = self._keys.assigned_round(run_id)
         self._closed_key = self._keys.assigned_closed(run_id)
@@ -178,17 +170,17 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._dead: set[str] = set()  # incarnations known dead
         self._mine: RoundRecord | None = None  # the round this node is in
         self._lost: set[str] = set()  # members of that round lost since
-        self._wanted = 0  # the round this node's record asks for
-        self._leaving = False  # announce_leaving() was called: every put says so
         self._incarnation = uuid.uuid4().hex[:12]
 
         self._server: LivenessServer | None = None
         self._monitor: PeerMonitor | None = None
         self._watcher: PrefixWatcher | None = None
-        self._lease: LeaseKeeper | None = None
-        self._rejoin = threading.Event()  # the lease was lost: put the record back
         self._stopped = threading.Event()
-        self._keeper: threading.Thread | None = None
+        self._join = JoinRecordKeeper(
+            client, self._keys, run_id=self._run_id, node_id=self._node,
+            lease_ttl_s=lease_ttl_s, join_timeout_s=join_timeout_s, fence=fence,
+            stopped=self._stopped,
+        )
         self._record_lease = 0
         self._record_lease_until = 0.0
 
@@ -238,7 +230,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
             target = (self._round.round if self._round else 0) + 1
         if self._monitor is not None:
             self._monitor.clear()
-        self._announce(target)
+        self._join.put(target)
         started = time.monotonic()
         deadline = started + self._join_timeout_s
         assigned_until = started + self._assigned_wait_s
@@ -261,7 +253,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 else:
                     wait_for_next = False
             if wait_for_next:
-                self._announce(target)
+                self._join.put(target)
                 continue
             if now < assigned_until and self._expected_nodes is not None and now - expected_at > 1:
                 expected = frozenset(self._read_expected())
@@ -334,23 +326,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
             Whether the record says leaving now (False: it was gone, or etcd
             did not answer; the caller leaves the ordinary way).
         """
-        with self._cond:
-            wanted = self._wanted
-            self._leaving = True
-        if self._stopped.is_set() or self._server is None or self._lease is None:
-            return False
-        lease = self._lease.lease_id
-        key = self._keys.assigned_join(self._run_id, self._node)
-        record = JoinRecord(self._me(), wanted, leaving=True)
-        try:
-            result = self._client.txn([Compare(key, "lease", "==", lease)],
-                                      [Put(key, record.to_json(), lease)])
-        except EtcdError as exc:
-            log.warning("cannot announce that node %s leaves: %s", self._node, exc)
-            return False
-        if result.succeeded:
-            log.info("node %s announced that it leaves job %s", self._node, self._run_id)
-        return result.succeeded
+        return self._join.announce_leaving()
 
     def leave(self) -> None:
         """Leave without closing: the others go on without this node."""
@@ -361,16 +337,13 @@ class AssignedRendezvousHandler(RendezvousHandler):
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._rejoin.set()
-        if self._lease is not None:
-            self._lease.close(revoke=True)  # deletes the join record at once
+        self._join.close()  # revokes the lease: deletes the join record at once
         for part in (self._monitor, self._server):
             if part is not None:
                 part.close()
         if self._watcher is not None:
             self._watcher.stop(timeout=5)
-        if self._keeper is not None:
-            self._keeper.join(timeout=5)
+        self._join.join(timeout=5)
 
     # internals ---------------------------------------------------------------
 
@@ -386,85 +359,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         ).start()
         if not self._watcher.wait_synced(self._join_timeout_s):
             raise RendezvousConnectionError(f"job {self._run_id}: cannot read the rendezvous")
-        self._keeper = threading.Thread(target=self._keep_record, name="rdzv-record", daemon=True)
-        self._keeper.start()
-
-    def _me(self) -> Member:
-        assert self._server is not None
-        return Member(self._node, self._addr, self._server.port, self._incarnation)
-
-    def _announce(self, target: int) -> None:
-        """Put this node's join record, asking for round ``target``."""
-        with self._cond:
-            self._wanted = target
-        record = JoinRecord(self._me(), target, leaving=self._leaving)
-        deadline = time.monotonic() + self._join_timeout_s
-        delay = 0.1
-        while True:
-            try:
-                lease = self._join_lease()
-                guard = self._fence_guard()
-                key = self._keys.assigned_join(self._run_id, self._node)
-                put = Put(key, record.to_json(), lease)
-                if self._client.txn(guard, [put]).succeeded:
-                    return
-                continue  # the assignment changed between the read and the put: read again
-            except EtcdError as exc:
-                if time.monotonic() > deadline:
-                    raise RendezvousConnectionError(
-                        f"job {self._run_id}: cannot join the rendezvous: {exc}"
-                    ) from exc
-                log.warning("cannot put the join record (%s); retrying in %.1f s", exc, delay)
-                self._stopped.wait(delay)
-                delay = min(2 * delay, 2.0)
-
-    def _fence_guard(self) -> list[Compare]:
-        """The transaction guard of a join: this node's assignment, as it is now,
-        holds this runner's generation. Raises AssignmentWithdrawnError if not."""
-        fence = self._fence
-        if fence is None:
-            return []
-        kv = self._client.get(fence.key)
-        generation = None
-        if kv is not None:
-            try:
-                generation = Assignment.model_validate_json(kv.value).generation
-            except ValueError:
-                generation = None
-        if generation != fence.generation:
-            raise AssignmentWithdrawnError(
-                f"job {self._run_id}: the assignment of node {self._node} at generation "
-                f"{fence.generation} is {'gone' if kv is None else 'replaced'}: not joining"
-            )
-        return [Compare(fence.key, "mod", "==", kv.mod_revision)]  # type: ignore[union-attr]
-
-    def _join_lease(self) -> int:
-        if self._lease is None or not self._lease.alive:
-            if self._lease is not None:
-                self._lease.close(revoke=False)
-            self._lease = LeaseKeeper(
-                self._client, ttl_s=self._lease_ttl_s, on_lost=self._rejoin.set,
-                name=f"rendezvous {self._run_id}/{self._node}",
-            ).start()
-        return self._lease.lease_id
-
-    def _keep_record(self) -> None:
-        """Put the join record back when its lease was lost (etcd unreachable)."""
-        while not self._stopped.is_set():
-            self._rejoin.wait()
-            if self._stopped.is_set():
-                return
-            self._rejoin.clear()
-            with self._cond:
-                wanted = self._wanted
-            log.warning("the rendezvous lease was lost: putting the join record back")
-            try:
-                self._announce(wanted)
-            except AssignmentWithdrawnError as exc:
-                log.warning("%s", exc)
-                return  # the agent stops this runner; the others go on without it
-            except RendezvousConnectionError as exc:
-                log.error("%s", exc)
+        self._join.start(Member(self._node, self._addr, self._server.port, self._incarnation))
 
     def _read_expected(self) -> Collection[str]:
         assert self._expected_nodes is not None

@@ -140,7 +140,7 @@ def test_a_full_round_does_not_restart_for_a_newcomer(make: Make) -> None:
     c = make("c", max_nodes=2, join_timeout_s=30)
     with ThreadPoolExecutor(1) as pool:
         pool.submit(c.next_rendezvous)
-        wait_for(lambda: c._wanted == 2, timeout=10, what="c to ask for the next round")
+        wait_for(lambda: c._join.wanted == 2, timeout=10, what="c to ask for the next round")
         wait_for(lambda: "c" in a._joins, timeout=10, what="a to see c's record")
         assert a.pending_change() is None
         assert a.num_nodes_waiting() == 0
@@ -215,7 +215,7 @@ def test_a_member_whose_record_lapsed_and_came_back_is_waited_for(
     etcd_client.delete(key)
     change = wait_for(a.pending_change, timeout=10, what="a to see c's record gone")
     assert (change.kind, change.nodes) == ("lost", frozenset({"c"}))
-    c._announce(1)  # the record back, same incarnation, as after a lapsed lease
+    c._join.put(1)  # the record back, same incarnation, as after a lapsed lease
     infos = together(a, b, c)
     assert [i.world_size for i in infos] == [3, 3, 3]
 
@@ -245,7 +245,7 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     change = wait_for(a.pending_change, timeout=10, what="a to see c's record gone")
     assert change.nodes == frozenset({"c"})
     with pytest.raises(AssignmentWithdrawnError, match="node c at generation 1 is gone"):
-        c._announce(2)
+        c._join.put(2)
     assert etcd_client.get(Keys(root).assigned_join(JOB, "c")) is None
     a._expected_nodes = b._expected_nodes = lambda: {"a", "b"}
     infos = together(a, b)
@@ -253,7 +253,7 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     # c placed again, at a new generation: the old runner stays out; a new one joins.
     _assign(etcd_client, root, "c", 4)
     with pytest.raises(AssignmentWithdrawnError, match="is replaced"):
-        c._announce(3)
+        c._join.put(3)
     c4 = make("c", expected={"a", "b", "c"}, fence=Fence(fences["c"].key, 4))
     a._expected_nodes = b._expected_nodes = lambda: {"a", "b", "c"}  # c is placed again
     assert [i.world_size for i in together(a, b, c4)] == [3, 3, 3]

@@ -2,7 +2,8 @@
 
 The coordinator imports rendezvous and must stay light; only
 rendezvous/torch_backend.py and rendezvous/assigned.py (the handlers torch
-elastic calls) and rendezvous/etcd_store.py (their c10d store) may import torch.
+elastic calls, with assigned_join.py, the latter's own join record) and
+rendezvous/etcd_store.py (their c10d store) may import torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ CHECK = """
 import importlib, pkgutil, sys
 import rendezvous
 names = [m.name for m in pkgutil.iter_modules(rendezvous.__path__)
-         if m.name not in ("torch_backend", "assigned", "etcd_store")]
+         if m.name not in ("torch_backend", "assigned", "assigned_join", "etcd_store")]
 for name in names:
     importlib.import_module("rendezvous." + name)
 assert "torch" not in sys.modules, "torch was imported by rendezvous"
