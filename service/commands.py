@@ -15,6 +15,8 @@
     tidal logs    JOB [--node N] [--rank R] [--tail N] [-f] [--json]
 
 and the node commands of :mod:`service.cli_nodes` (``nodes``, ``drain``, ``undrain``).
+``submit`` and ``status --watch`` follow the job to its end with
+:mod:`service.cli_follow`.
 
 Every command takes ``--url``, ``--token`` and ``--state-dir``; the coordinator
 is found by :func:`service.client.resolve_target` (flags, then ``TIDAL_URL`` /
@@ -50,10 +52,7 @@ import json
 import os
 import shlex
 import sys
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,155 +66,23 @@ from service.cli_common import (
     reporting_errors,
     target_options,
 )
+from service.cli_follow import follow_human, follow_json
 from service.cli_nodes import NODE_COMMANDS
 from service.cli_output import age, dump_json, table
 from service.cli_output import clock as _clock
-from service.cli_views import (
-    bounds,
-    error_lines,
-    event_line,
-    next_steps,
-    status_text,
-)
+from service.cli_views import bounds, next_steps, status_text
 from service.client import (
     EXIT_INTERRUPTED,
     EXIT_OK,
-    PHASE_EXIT,
-    ApiError,
-    Client,
     InvalidSpecError,
-    WaitTimeoutError,
     build_spec,
     default_name,
 )
-from service.client_calls import OUTAGE_TOLERANCE_S, POLL_INTERVAL_S
-from service.follow import FollowConsole, LogStreamer, StepRate, parse_log_line, progress_of
+from service.follow import parse_log_line
 from service.jobfile import JobFileError, job_fields
-from service.models import JobEvent, JobPhase, JobView
-
-# Seconds a follower waits, once the job ended, for the last of its logs.
-LOGS_DRAIN_S = 30.0
+from service.models import JobPhase
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-# following a job -----------------------------------------------------------------------
-
-
-@dataclass
-class _Follower:
-    """Polls a job and its events until the job is terminal, tolerating short outages."""
-
-    client: Client
-    job_id: str
-    timeout_s: float | None = None
-    with_events: bool = True
-    seen_seq: int = -1
-    outage_since: float | None = None
-    _warned: bool = field(default=False, repr=False)
-
-    def poll(self) -> tuple[JobView, list[JobEvent]] | None:
-        """The job and its events not seen yet; None during an outage."""
-        try:
-            view = self.client.get_job(self.job_id)
-            events = [] if not self.with_events else [
-                e for e in self.client.events(self.job_id).events if e.seq > self.seen_seq]
-        except ApiError as exc:
-            if not exc.transient:
-                raise
-            now = time.monotonic()
-            if self.outage_since is None:
-                self.outage_since = now
-            if now - self.outage_since > OUTAGE_TOLERANCE_S:
-                raise
-            if not self._warned:
-                click.echo(f"warning: {exc.message}; retrying for up to "
-                           f"{OUTAGE_TOLERANCE_S:g} s", err=True)
-                self._warned = True
-            return None
-        self.outage_since = None
-        self._warned = False
-        if events:
-            self.seen_seq = events[-1].seq
-        return view, events
-
-    def run(self, on_update: Callable[[JobView, list[JobEvent]], None]) -> JobView:
-        """Call ``on_update`` on every poll until the job is terminal; return its last view.
-
-        Raises:
-            CommandError: ``timeout_s`` passed first (exit 7).
-            ApiError: the coordinator refused, or stayed away too long.
-        """
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while True:
-            got = self.poll()
-            if got is not None:
-                view, events = got
-                on_update(view, events)
-                if view.phase.is_terminal():
-                    return view
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"job {self.job_id} did not finish within --timeout {self.timeout_s:g} s; "
-                    "it goes on", job_id=self.job_id)
-            time.sleep(POLL_INTERVAL_S)
-
-
-def _follow_human(client: Client, job_id: str, *, timeout_s: float | None,
-                  logs: bool = False) -> int:
-    """Print the job's events as they come, its progress (service.follow: a bar on a
-    terminal, a plain line now and then elsewhere) and, with ``logs``, its workers'
-    output streamed from the coordinator; then its outcome. Returns the exit code."""
-    console = FollowConsole.for_stdout()
-    streamer = LogStreamer(client, job_id, console).start() if logs else None
-    rate = StepRate()
-
-    def show(view: JobView, events: list[JobEvent]) -> None:
-        for event in events:
-            console.line(event_line(event))
-        rate.observe(time.monotonic(), view.last_step)
-        console.progress(progress_of(view, now=datetime.now(timezone.utc),
-                                     steps_per_second=rate.steps_per_second()))
-
-    try:
-        view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
-        if streamer is not None and not streamer.join(LOGS_DRAIN_S):
-            console.line(f"warning: the job's last output did not come within "
-                         f"{LOGS_DRAIN_S:g} s; `tidal logs {job_id}` reads it", err=True)
-    except KeyboardInterrupt:
-        console.finish()
-        click.echo(f"\nstopped following job {job_id}; it goes on "
-                   f"(`tidal cancel {job_id}` stops it)", err=True)
-        return EXIT_INTERRUPTED
-    finally:
-        console.finish()
-    took = ""
-    if view.started_at and view.finished_at:
-        took = f" after {(view.finished_at - view.started_at).total_seconds():.1f} s"
-    click.echo(f"job {job_id} {view.phase.value}{took}")
-    for line in error_lines(view):
-        click.echo(line, err=True)
-    if view.phase == JobPhase.FAILED:
-        click.echo(f"its output: tidal logs {job_id}", err=True)
-    return PHASE_EXIT[view.phase]
-
-
-def _follow_json(client: Client, job_id: str, *, timeout_s: float | None) -> int:
-    """Print the job's view as one JSON line each time it changes."""
-    last: dict[str, Any] = {}
-
-    def show(view: JobView, _: list[JobEvent]) -> None:
-        nonlocal last
-        data = view.model_dump(mode="json")
-        if data != last:
-            click.echo(json.dumps(data))
-            last = data
-
-    try:
-        view = _Follower(client, job_id, timeout_s=timeout_s).run(show)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    return PHASE_EXIT[view.phase]
 
 
 # submit --------------------------------------------------------------------------------
@@ -373,14 +240,14 @@ def submit_command(
             click.echo(dump_json(view))
             return
         if as_json:  # its first line is the new job's view
-            raise click.exceptions.Exit(_follow_json(client, view.job_id, timeout_s=timeout_s))
+            raise click.exceptions.Exit(follow_json(client, view.job_id, timeout_s=timeout_s))
         if no_wait:
             click.echo(view.job_id)
             click.echo(next_steps(view.job_id), err=True)
             return
         click.echo(f"submitted job {view.job_id} ({bounds(view)} node(s) x "
                    f"{spec.nproc_per_node} worker(s)); following it, Ctrl-C to stop")
-        code = _follow_human(client, view.job_id, timeout_s=timeout_s, logs=not no_logs)
+        code = follow_human(client, view.job_id, timeout_s=timeout_s, logs=not no_logs)
     if code != EXIT_OK:
         raise click.exceptions.Exit(code)
 
@@ -444,7 +311,7 @@ def status_command(
     """
     with connect(url, token, state_dir) as client:
         if watch and as_json:
-            code = _follow_json(client, job, timeout_s=timeout_s)
+            code = follow_json(client, job, timeout_s=timeout_s)
         else:
             view = client.get_job(job)
             if as_json:
@@ -454,7 +321,7 @@ def status_command(
             if not watch:
                 return
             click.echo("")
-            code = _follow_human(client, job, timeout_s=timeout_s)
+            code = follow_human(client, job, timeout_s=timeout_s)
     if code != EXIT_OK:
         raise click.exceptions.Exit(code)
 
