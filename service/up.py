@@ -18,14 +18,9 @@ coordinator runs as ``tidal-coordinator`` and the agents as ``tidal-agent``,
 each reading its password from its file (``--etcd-password-file``), so it is
 in no process's environment. A write without credentials is refused.
 
-The cluster supervises its children (:meth:`LocalCluster.start` starts a
-thread for it): a coordinator or agent that exits while the cluster runs is
-started again, on the same port and node id, after a delay that doubles with
-each quick death (:class:`RestartPolicy`); every restart is logged. The state
-is in etcd, so a new coordinator picks up where the old one was, and the jobs
-on the agents never notice. Children say they are ready in a ready file
-(:mod:`service.ready`), never through their log text. etcd itself is not
-restarted: when it exits, the cluster stops.
+The cluster supervises its coordinator and agents (:mod:`service.up_supervisor`):
+one that exits while the cluster runs is started again, on the same port and
+node id. etcd itself is not restarted: when it exits, the cluster stops.
 
 The coordinator must stay torch-free and so must this module: agents are never
 imported here, they run as ``python -m service.cli agent`` subprocesses.
@@ -38,7 +33,8 @@ them, and no job's workers inherit the API token.
 The state directory's layout and its preparation are :mod:`service.up_state`'s;
 the children (a :class:`rendezvous.child.Child` each, with what the supervisor
 keeps about it), the restart policy and the waits that watch the children are
-:mod:`service.up_children`'s.
+:mod:`service.up_children`'s; which children run, and the supervisor thread's
+pass over them, are :mod:`service.up_supervisor`'s.
 """
 
 from __future__ import annotations
@@ -75,6 +71,7 @@ from service.up_children import (
     wait_until,
 )
 from service.up_state import ChildCommands, StateDir
+from service.up_supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +79,6 @@ DEFAULT_AGENTS = 3
 LEASE_TTL_S = 3
 HTTP_TIMEOUT_S = 5.0
 COORDINATOR_STOP_S = 10.0
-SUPERVISE_INTERVAL_S = 0.2
 _URL_PORT_RE = re.compile(r":(\d+)$")
 
 __all__ = [
@@ -176,18 +172,14 @@ class LocalCluster:
         self._initial_agents = agents
         self._token = token.strip() if token is not None else secrets.token_urlsafe(32)
         self._etcd: EtcdServer | None = None
-        self._coordinator: SupervisedChild | None = None
-        self._agents: dict[str, SupervisedChild] = {}
+        # The coordinator and agents, and the supervisor thread that restarts them.
+        self._children = Supervisor(policy=self.restart_policy, respawn=self._respawn,
+                                    on_change=self._children_changed)
         self._next_node = 1
         self._url: str | None = None
         self._started = False
         self._stopped = False
         self._wrote_cluster_file = False  # never remove another cluster's file
-        # The supervisor thread and the caller's thread both change the children.
-        self._lock = threading.RLock()
-        self._stopping = threading.Event()
-        self._supervisor: threading.Thread | None = None
-        self._exits: list[ChildExit] = []
         self._coordinator_port = 0  # 0 until the first coordinator serves
 
     # what it runs ---------------------------------------------------------------------
@@ -219,8 +211,8 @@ class LocalCluster:
     @property
     def node_ids(self) -> list[str]:
         """The agents this cluster runs (killed ones are gone; one being restarted is not)."""
-        with self._lock:
-            return list(self._agents)
+        with self._children.lock:
+            return list(self._children.agents)
 
     def etcd_password_file(self, user: str) -> Path:
         """The file holding etcd user ``user``'s password (one of :data:`USERS`)."""
@@ -240,17 +232,11 @@ class LocalCluster:
 
     def coordinator_pid(self) -> int | None:
         """The pid of the coordinator now running; None while it is being restarted."""
-        with self._lock:
-            child = self._coordinator
-            if child is None or child.proc.poll() is not None:
-                return None
-            return child.pid
+        return self._children.coordinator_pid()
 
     def restarts(self, name: str) -> int:
         """How many times the supervisor started ``name`` (``coordinator`` or a node id) again."""
-        with self._lock:
-            child = self._coordinator if name == "coordinator" else self._agents.get(name)
-            return child.restarts if child is not None else 0
+        return self._children.restarts(name)
 
     def client(self, *, timeout: float = HTTP_TIMEOUT_S) -> httpx.Client:
         """An HTTP client for the API: base URL and bearer token set. Close it after use."""
@@ -262,7 +248,8 @@ class LocalCluster:
 
     def describe(self) -> ClusterFile:
         """What ``cluster.json`` holds."""
-        with self._lock:
+        with self._children.lock:
+            coordinator = self._children.coordinator
             return ClusterFile(
                 url=self.url,
                 token_file=self.token_file,
@@ -270,13 +257,13 @@ class LocalCluster:
                 etcd_root=self.etcd_root,
                 etcd_password_files={u: self.etcd_password_file(u) for u in USERS},
                 state_dir=self.state_dir,
-                coordinator_pid=self._coordinator.pid if self._coordinator else None,
+                coordinator_pid=coordinator.pid if coordinator else None,
                 etcd_pid=self._etcd.pid if self._etcd else None,
                 agents=[
                     AgentEntry(node_id=node_id, pid=child.pid,
                                run_dir=child.run_dir or self.layout.run_dir(node_id),
                                metrics_port=child.metrics_port)
-                    for node_id, child in self._agents.items()
+                    for node_id, child in self._children.agents.items()
                 ],
             )
 
@@ -301,21 +288,19 @@ class LocalCluster:
             self.layout.prepare(self._token, checkpoint_root=self.checkpoint_root)
             self._start_etcd()
             self._enable_etcd_auth()
-            self._coordinator = self._spawn("coordinator", self._coordinator_argv())
+            self._children.coordinator = self._spawn("coordinator", self._coordinator_argv())
             for _ in range(self._initial_agents):
                 self._spawn_agent()
             deadline = time.monotonic() + self.ready_timeout_s
             self._url = self._wait_for_url(deadline, cancel)
-            self._wait_ready(list(self._agents), deadline, cancel)
+            self._wait_ready(list(self._children.agents), deadline, cancel)
             self._write_cluster_file()
         except BaseException:
             self.stop()
             raise
         if self.supervise:
-            self._supervisor = threading.Thread(
-                target=self._supervise_loop, name="tidal-up-supervisor", daemon=True)
-            self._supervisor.start()
-        log.info("tidal is up at %s with %d node(s)", self._url, len(self._agents))
+            self._children.start()
+        log.info("tidal is up at %s with %d node(s)", self._url, len(self._children.agents))
         return self
 
     def _enable_etcd_auth(self) -> None:
@@ -362,12 +347,12 @@ class LocalCluster:
                                      ready_file=self.layout.ready_file(name), run_dir=run_dir)
 
     def _spawn_agent(self) -> str:
-        with self._lock:
+        with self._children.lock:
             node_id = f"node-{self._next_node}"
             self._next_node += 1
             run_dir = self.layout.run_dir(node_id)
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._agents[node_id] = self._spawn(
+            self._children.agents[node_id] = self._spawn(
                 node_id, self._agent_argv(node_id, run_dir), run_dir=run_dir)
             return node_id
 
@@ -378,7 +363,7 @@ class LocalCluster:
                    cancel=cancel, watch=watch, etcd=self._etcd)
 
     def _wait_for_url(self, deadline: float, cancel: threading.Event | None) -> str:
-        coordinator = self._coordinator
+        coordinator = self._children.coordinator
         assert coordinator is not None
         self._wait("the coordinator to serve", coordinator.read_ready, deadline=deadline,
                    cancel=cancel, watch=[coordinator])
@@ -390,9 +375,9 @@ class LocalCluster:
         self, node_ids: list[str], deadline: float, cancel: threading.Event | None
     ) -> None:
         """Wait for /readyz, each agent's metrics port and each node in GET /v1/nodes."""
-        assert self._coordinator is not None
-        agents = [self._agents[n] for n in node_ids]
-        watch = [self._coordinator, *agents]
+        assert self._children.coordinator is not None
+        agents = [self._children.agents[n] for n in node_ids]
+        watch = [self._children.coordinator, *agents]
         with self.client() as http:
 
             def ready() -> bool:
@@ -413,20 +398,11 @@ class LocalCluster:
                        deadline=deadline, cancel=cancel, watch=watch)
 
     def _write_cluster_file(self) -> None:
-        with self._lock:
+        with self._children.lock:
             write_atomically(self.cluster_file, self.describe().model_dump_json(indent=2) + "\n")
             self._wrote_cluster_file = True
 
     # changing it ----------------------------------------------------------------------
-
-    def _agent(self, node_id: str) -> SupervisedChild:
-        try:
-            return self._agents[node_id]
-        except KeyError:
-            raise ClusterError(
-                f"no agent {node_id!r} runs in this cluster (running: "
-                f"{', '.join(self._agents) or 'none'})"
-            ) from None
 
     def add_agent(self) -> str:
         """Start one more agent and wait until its node is registered; return its id.
@@ -455,10 +431,10 @@ class LocalCluster:
         Raises:
             ClusterError: no such agent runs.
         """
-        with self._lock:
-            child = self._agents.pop(node_id, None)
+        with self._children.lock:
+            child = self._children.agents.pop(node_id, None)
             if child is None:
-                self._agent(node_id)  # raises, naming what runs
+                self._children.agent(node_id)  # raises, naming what runs
                 return
         child.proc.kill()
         log.info("killed %s (pid %d)", node_id, child.pid)
@@ -474,80 +450,38 @@ class LocalCluster:
         exited coordinator is essential. etcd's exit is always essential.
         """
         if not self.supervise and not self._stopped:
-            with self._lock:
-                self._collect_exits(time.monotonic(), restart=False)
-        with self._lock:
-            exits, self._exits = self._exits, []
+            with self._children.lock:
+                self._children.collect_exits(time.monotonic(), restart=False)
+        exits = self._children.take_exits()
         if self._etcd is not None and self._etcd.pid is not None and not self._etcd.running():
             assert self._etcd.process is not None
             exits.append(ChildExit("etcd", self._etcd.pid, self._etcd.process.returncode, True,
                                    self._etcd.log_tail()))
         return exits
 
-    # supervising ----------------------------------------------------------------------
+    # supervising (service/up_supervisor.py) -------------------------------------------
 
-    def _supervise_loop(self) -> None:
-        while not self._stopping.wait(SUPERVISE_INTERVAL_S):
-            try:
-                with self._lock:
-                    if self._stopping.is_set():
-                        return
-                    self._supervise_once(time.monotonic())
-            except Exception:  # never let the supervisor die quietly
-                log.exception("supervising the cluster's children failed; trying again")
-
-    def _supervise_once(self, now: float) -> None:
-        """One pass: note deaths, start due restarts, note restarted children that are ready."""
-        self._collect_exits(now, restart=True)
-        changed = False
-        for child in self._children():
-            if child.restart_due(now):
-                self._restart(child)
-            elif child.came_back():
-                changed = True
-                if child is self._coordinator and child.url is not None:
-                    self._url = child.url  # a new port if the old one could not be had
-                    self._coordinator_port = _port_of(child.url)
-                log.warning("%s is back (pid %d, restart %d)%s", child.name, child.pid,
-                            child.restarts, f", serving at {child.url}" if child.url else "")
-        if changed and self._wrote_cluster_file:
-            self._write_cluster_file()
-
-    def _children(self) -> list[SupervisedChild]:
-        children = list(self._agents.values())
-        if self._coordinator is not None:
-            children.insert(0, self._coordinator)
-        return children
-
-    def _collect_exits(self, now: float, *, restart: bool) -> None:
-        """Note the children that exited: schedule their restarts (``restart``), or
-        drop an exited agent, a lost node (the coordinator's exit is then essential)."""
-        policy = self.restart_policy if restart else None
-        for child in self._children():
-            coordinator = child is self._coordinator
-            exit_ = child.note_exit(now, policy, essential=coordinator and not restart)
-            if exit_ is None:
-                continue
-            self._exits.append(exit_)
-            if not restart and not coordinator:
-                del self._agents[child.name]
-                if self._wrote_cluster_file:
-                    self._write_cluster_file()
-
-    def _restart(self, old: SupervisedChild) -> None:
+    def _respawn(self, old: SupervisedChild) -> SupervisedChild:
         """Start ``old`` again: same name, port and node id; a fresh log offset."""
         # A child that died before it was ready (its port taken, say) gets a free port.
-        if old is self._coordinator:
+        if old is self._children.coordinator:
             port = self._coordinator_port if old.url else 0
             argv = self._coordinator_argv(port)
         else:
             assert old.run_dir is not None
             argv = self._agent_argv(old.name, old.run_dir, old.metrics_port or 0)
-        new = old.succeeded_by(self._spawn(old.name, argv, run_dir=old.run_dir))
-        if old is self._coordinator:
-            self._coordinator = new
-        else:
-            self._agents[old.name] = new
+        return self._spawn(old.name, argv, run_dir=old.run_dir)
+
+    def _children_changed(self, came_back: list[SupervisedChild]) -> None:
+        """Restarted children came back, or an exited agent was dropped."""
+        coordinator = self._children.coordinator
+        if any(child is coordinator for child in came_back):
+            assert coordinator is not None
+            if coordinator.url is not None:
+                self._url = coordinator.url  # a new port if the old one could not be had
+                self._coordinator_port = _port_of(coordinator.url)
+        if self._wrote_cluster_file:
+            self._write_cluster_file()
 
     # stopping -------------------------------------------------------------------------
 
@@ -560,16 +494,14 @@ class LocalCluster:
         """
         if self._stopped:
             return
-        self._stopping.set()
-        if self._supervisor is not None and self._supervisor is not threading.current_thread():
-            self._supervisor.join(timeout=30)
-        with self._lock:
+        self._children.stop()
+        with self._children.lock:
             self._stopped = True
-            agents = list(self._agents.values())
-            self._agents.clear()
+            agents = list(self._children.agents.values())
+            self._children.agents.clear()
         stop_all([child.proc for child in agents], self.stop_grace_s)
-        if self._coordinator is not None:
-            self._coordinator.proc.stop(COORDINATOR_STOP_S)
+        if self._children.coordinator is not None:
+            self._children.coordinator.proc.stop(COORDINATOR_STOP_S)
         if self._etcd is not None:
             self._etcd.stop()
         if self._wrote_cluster_file:
