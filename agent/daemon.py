@@ -22,6 +22,9 @@ decides first, without acting (:mod:`agent.plan`, :mod:`agent.supervise`,
   counts as one that crashed. Nothing the daemon's bookkeeping throws stops
   its loop: the next pass (within half a second) tries again.
 
+The node record, and what a GPU that fails or GPUs not free do to a job, are
+:mod:`agent.node_offer`'s.
+
 Warm runners: the daemon keeps one runner started ahead of the next job, so
 that a job starts (or a runner that died is replaced) without ``python`` +
 ``import torch`` first (:mod:`agent.warm_policy` says when and why,
@@ -55,6 +58,7 @@ from agent.jobpaths import JobSetupError, check_job_paths
 from agent.launch import WarmRunner, start_cold, write_spec
 from agent.logserve import LogServer, new_token
 from agent.metrics import SCALED, AgentMetrics, JobStatusCollector
+from agent.node_offer import NodeOffer, held_devices
 from agent.plan import RunnerPlan, RunnerView, choose_assignment, plan_runners
 from agent.settings import AgentSettings
 from agent.spec import (
@@ -72,21 +76,12 @@ from agent.workeruser import lookup, private_dir
 from rendezvous.client import EtcdClient, WatchEvent, create_client
 from rendezvous.errors import EtcdError
 from rendezvous.records import (
-    RUNNER_RANK,
     Assignment,
-    JobNodeState,
     JobNodeStatus,
     RestartReason,
-    WorkerError,
     utcnow,
 )
-from rendezvous.registry import (
-    LogEndpoint,
-    NodeAlreadyRegisteredError,
-    NodeInfo,
-    NodeRegistration,
-    NodeRegistry,
-)
+from rendezvous.registry import LogEndpoint, NodeRegistration
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
@@ -147,12 +142,8 @@ class Agent:
         self.metrics_port: int | None = None
         self.warm = WarmRunner(settings)
         self._logs: LogServer | None = None
-        self._log_endpoint: LogEndpoint | None = None
         self.gpus = NodeGpus(settings)
-        self._registration: NodeRegistration | None = None
-        # job -> (generation, why): runners killed because a GPU they held failed
-        self._evicted: dict[str, tuple[int, str]] = {}
-        self._waiting: dict[str, int] = {}  # job -> generation waiting for devices (logged)
+        self.offer = NodeOffer(settings, self.gpus)  # the node record, failed GPUs, none free
 
     def _job_ids(self) -> list[str]:
         with self._jobs_lock:
@@ -181,7 +172,7 @@ class Agent:
         self._logs = LogServer(run_dir=s.run_dir, token=token, active=self._job_active,
                                host=s.metrics_host, port=s.logs_port).start()
         host = f"[{s.address}]" if ":" in s.address else s.address
-        self._log_endpoint = LogEndpoint(url=f"http://{host}:{self._logs.port}", token=token)
+        self.offer.logs = LogEndpoint(url=f"http://{host}:{self._logs.port}", token=token)
         log.info("job logs on :%d", self._logs.port)
 
     def _job_active(self, job_id: str) -> bool:
@@ -216,8 +207,7 @@ class Agent:
             raise
         try:
             self._serve_logs()
-            registration = self._registration = self._register(client)
-            self.gpus.confirm()
+            registration = self.offer.register(client, self._stop)
             self._serve_metrics(client)
             self._watcher = PrefixWatcher(
                 client,
@@ -230,7 +220,7 @@ class Agent:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 try:
-                    self._follow_gpus()
+                    self.offer.follow(self.state.runners)  # the GPUs: publish, evict
                     if self._watcher.synced:
                         self.reconcile(self._desired())
                     self._keep_warm()
@@ -249,90 +239,18 @@ class Agent:
                 registration.deregister()
             client.close()
 
-    def _register(self, client: EtcdClient) -> NodeRegistration:
-        """Register the node; after a crash, wait out the previous incarnation's lease.
-
-        A restarted agent finds its node id still held by the lease of the
-        process it replaces until that lease expires (at most one TTL).
-        """
-        registry = NodeRegistry(client)
-        deadline = time.monotonic() + self.settings.lease_ttl_s + 2
-        while True:
-            try:
-                return registry.register(self._node_info(), ttl_s=self.settings.lease_ttl_s)
-            except NodeAlreadyRegisteredError:
-                if time.monotonic() > deadline or self._stop.is_set():
-                    raise
-                log.info("node id %s is held by an earlier lease; waiting", self.settings.node_id)
-                self._stop.wait(0.5)
-
-    def _node_info(self) -> NodeInfo:
-        s = self.settings
-        return NodeInfo(
-            node_id=s.node_id,
-            host=os.uname().nodename,
-            address=s.address,
-            labels=s.labels,
-            **self.gpus.record_fields(),
-            logs=self._log_endpoint,
-        )
-
     # GPUs ------------------------------------------------------------------------
 
     def _held(self) -> dict[str, list[int]]:
         """The devices each live runner holds (one being stopped too, until it exits)."""
-        return {job_id: r.devices for job_id, r in self.state.runners.items() if r.devices}
-
-    def _follow_gpus(self) -> None:
-        """Publish changed GPU records; take a job off a GPU that failed, as if the node died."""
-        if self.gpus.changed() and self._registration is not None:
-            info = self._node_info()
-            self._registration.update(info)  # EtcdError: not confirmed, the next pass retries
-            self.gpus.confirm()
-            for gpu in info.gpu_devices:
-                if not gpu.healthy:
-                    log.error("GPU %d (%s) is out of this node's offer: %s",
-                              gpu.index, gpu.uuid or "no uuid", gpu.fault)
-        for job_id, reason in self.gpus.failed_holders(self._held()).items():
-            runner = self.state.runners[job_id]
-            if job_id in self._evicted:
-                continue
-            log.error("job %s loses this node: %s", job_id, reason)
-            self._evicted[job_id] = (runner.assignment.generation, reason)
-            runner.stop_deadline = time.monotonic()  # no grace: the GPU is gone
-            with contextlib.suppress(ProcessLookupError):
-                runner.process.kill()
+        return held_devices(self.state.runners)
 
     def _leave(self, assignment: Assignment, reason: str) -> None:
-        """Leave the job on this node (status CANCELLED, why in its error): the
-        coordinator takes the node out of it, as for a node that died."""
+        """Leave the job on this node (status CANCELLED, why in its error: agent.node_offer):
+        the coordinator takes the node out of it, as for a node that died."""
         assert self._client is not None
-        key = self._client.keys.status(assignment.job_id, self.settings.node_id)
-        kv = self._client.get(key)
-        status = None
-        if kv is not None:
-            with contextlib.suppress(ValidationError):
-                status = JobNodeStatus.model_validate_json(kv.value)
-        if status is None or status.generation != assignment.generation:
-            status = JobNodeStatus(job_id=assignment.job_id, node_id=self.settings.node_id,
-                                   generation=assignment.generation, state=JobNodeState.STARTING)
-        status = status.model_copy(update={
-            "state": JobNodeState.CANCELLED, "updated_at": utcnow(),
-            "error": WorkerError(rank=RUNNER_RANK, exit_code=0, message=reason[:4096]),
-        })
-        self._client.put(key, status.model_dump_json().encode())
+        self.offer.leave(self._client, assignment, reason)
         self.state.finished[assignment.job_id] = (assignment.generation, EXIT_STOPPED)
-        log.warning("job %s left on this node: %s", assignment.job_id, reason)
-
-    def _no_devices(self, assignment: Assignment, reason: str) -> None:
-        """Wait for a stopping runner's devices, or leave the job if none will come free."""
-        if any(r.stop_deadline is not None and r.devices for r in self.state.runners.values()):
-            if self._waiting.get(assignment.job_id) != assignment.generation:
-                self._waiting[assignment.job_id] = assignment.generation
-                log.info("job %s waits for a stopping job's GPUs: %s", assignment.job_id, reason)
-            return
-        self._waiting.pop(assignment.job_id, None)
-        self._leave(assignment, reason)
 
     def _on_event(self, _event: WatchEvent) -> None:
         self._wake.set()
@@ -441,10 +359,10 @@ class Agent:
         assignment = exited.assignment
         if self._client is None:
             return
-        evicted = self._evicted.get(job_id)
-        if evicted is not None and evicted[0] == assignment.generation:
-            self._leave(assignment, evicted[1])
-            del self._evicted[job_id], self.state.exited[job_id]
+        evicted = self.offer.eviction(assignment)
+        if evicted is not None:
+            self._leave(assignment, evicted)
+            del self.state.exited[job_id]
             return
         stopping = exited.stopping or wanted is None or wanted.generation != assignment.generation
         reported = None
@@ -490,10 +408,11 @@ class Agent:
         try:
             devices = self.gpus.devices_for(assignment.job_id, assignment.gpus_per_node,
                                             self._held())
-        except NoDevicesError as exc:
-            self._no_devices(assignment, str(exc))
+        except NoDevicesError as exc:  # wait for a stopping runner's, or leave the job
+            if not self.offer.waits(assignment, str(exc), self.state.runners.values()):
+                self._leave(assignment, str(exc))
             return
-        self._waiting.pop(assignment.job_id, None)
+        self.offer.placed(assignment.job_id)
         with self._jobs_lock:
             self._jobs_seen.add(assignment.job_id)
         try:
