@@ -23,7 +23,8 @@ changes, in :class:`TidalElasticAgent`:
   (SIGTERM) announces it, tells its workers, and waits for them to exit once
   the others resized. Whatever goes wrong (a worker that does not answer in
   ``live_timeout``, one that exits, another change meanwhile) falls back to
-  the restart path, and the status and metrics say which path was taken;
+  the restart path, and the status and metrics say which path was taken.
+  The runner carries this out in :class:`agent.runner_live.LivePath`, a mixin;
 * **status** goes to etcd (:mod:`agent.status`), with the root cause of a
   failure: exit code, signal, and the traceback from the error file torch's
   ``@record`` writes, or the tail of the rank's stderr.
@@ -53,18 +54,13 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from agent import live, restarts, rundir
+from agent import restarts, rundir
 from agent.bounds import BoundsFollower
 from agent.elastic_metrics import configure_elastic_metrics
 from agent.logcap import LogCap
 from agent.restarts import Action
-from agent.runner_metrics import (
-    LIVE,
-    NOT_ANNOUNCED,
-    NOT_CAPABLE,
-    RESTART,
-    RUNNER_METRICS_FILE,
-)
+from agent.runner_live import LIVE_TIMEOUT_S, LivePath, alive
+from agent.runner_metrics import RESTART, RUNNER_METRICS_FILE
 from agent.runner_setup import initial_status, make_handler, make_worker_spec
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.status import StatusReporter
@@ -74,12 +70,7 @@ from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnEr
 from rendezvous.assigned_rounds import WAITING, Change
 from rendezvous.client import create_client
 from rendezvous.keys import Keys
-from rendezvous.live_files import (
-    ResizeNotice,
-    clear_live_files,
-    write_leave_notice,
-    write_resize_notice,
-)
+from rendezvous.live_files import clear_live_files
 from rendezvous.records import (
     JobNodeState,
     RestartReason,
@@ -100,12 +91,6 @@ JIT_ACK_S = 0.5
 JIT_STALL_S = 2.0
 # How long a new runner waits for its zygote (agent.zygote) before joining.
 ZYGOTE_READY_TIMEOUT_S = 60.0
-# A live resize (agent.live): how long the workers have to re-form their group
-# (rdzv_conf "live_timeout"), how often the runner looks, and how much of the
-# grace period a planned leave leaves to the restart path if it gives up.
-LIVE_TIMEOUT_S = 60.0
-LIVE_POLL_S = 0.02
-LEAVE_MARGIN_S = 5.0
 
 
 def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> WorkerError | None:
@@ -136,7 +121,7 @@ def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> 
     )
 
 
-class TidalElasticAgent(LocalElasticAgent):
+class TidalElasticAgent(LivePath, LocalElasticAgent):
     """LocalElasticAgent that tells membership changes from failures and reports status.
 
     Its rendezvous handler is an :class:`AssignedRendezvousHandler`, whose
@@ -221,7 +206,7 @@ class TidalElasticAgent(LocalElasticAgent):
                     seen[rank] = (report.state, report.bytes)
                     progress_at[rank] = now
             if not keep_waiting(
-                reports, now=now, noticed_at=noticed, progress_at=progress_at, alive=_alive,
+                reports, now=now, noticed_at=noticed, progress_at=progress_at, alive=alive,
                 ack_s=JIT_ACK_S, stall_s=JIT_STALL_S, max_s=self._grace_s,
             ):
                 break
@@ -231,7 +216,7 @@ class TidalElasticAgent(LocalElasticAgent):
                            for r, rep in sorted(reports.items()))
         log.info("waited %.2f s for just-in-time saves (%s)", waited, states)
         return any(r.state == DONE for r in reports.values()) and all(
-            r.finished or not _alive(r.pid) for r in reports.values()
+            r.finished or not alive(r.pid) for r in reports.values()
         )
 
     def _report_running(self) -> None:
@@ -288,9 +273,7 @@ class TidalElasticAgent(LocalElasticAgent):
         self._notice_recovery()
         self._reporter.count_exits(f.exitcode for f in result.failures.values())
         self._reporter.update(error=root_cause(result.failures, stderrs))
-        self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
-        self._stop_workers(self._worker_group)
-        self._worker_group.state = WorkerState.STOPPED
+        self._stop_broken_group()
         self._rendezvous(self._worker_group)
         new_members = self._handler.participants()
         step = restarts.after_failure(self._budget, members, new_members)
@@ -334,151 +317,11 @@ class TidalElasticAgent(LocalElasticAgent):
         self._report_running()
         return new_members
 
-    # the live path (agent.live) --------------------------------------------------------
-
-    def _live_blocker(self) -> str | None:
-        """Why the group cannot take the live path now (a fallback cause), None if it can."""
-        group = self._worker_group
-        if self._progress_dir is None or self._pcontext is None or (
-            group.state != WorkerState.HEALTHY
-        ):
-            return NOT_CAPABLE
-        local_ranks = [w.local_rank for w in group.workers]
-        return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, _alive)
-
-    def _live_resize(self, change: Change, members: frozenset[str]) -> frozenset[str]:
-        """Form the next round with the workers running, and have them re-form their group.
-
-        Falls back to restarting the group (in the round just formed) when the
-        workers do not all answer in time (:func:`agent.restarts.after_live`).
-        Returns the new round's members.
-        """
-        assert self._progress_dir is not None
-        group = self._worker_group
-        noticed_at, noticed = time.time(), time.monotonic()
-        log.info("node(s) %s %s: resizing the group live", ", ".join(sorted(change.nodes)),
-                 "waiting to join" if change.kind == WAITING else "leaving")
-        ids = {w.local_rank: w.id for w in group.workers}
-        # Until it is decided: a SIGTERM meanwhile takes today's path (the flag
-        # stays set when an exception leaves from here).
-        self._resizing = True
-        self._rendezvous(group)  # the workers keep training meanwhile
-        for worker in group.workers:  # the same processes, with new ranks
-            worker.id = ids.get(worker.local_rank)
-        new_members = self._handler.participants()
-        round_ = self._handler.current_round()
-        step = restarts.after_live(change.kind, self._budget, self._tell_and_await(round_))
-        self._resizing = False
-        reason = step.resize or "lost"
-        if step.action is Action.LIVE:
-            seconds = time.monotonic() - noticed
-            log.info("the workers resized into round %d live in %.2f s", round_, seconds)
-            self._reporter.count_resize(LIVE, reason, seconds=seconds)
-            self._report_running()
-            return new_members
-        log.warning("the live resize into round %d did not complete (%s): restarting the group",
-                    round_, step.fallback)
-        self._notice_recovery(at=noticed_at)
+    def _stop_broken_group(self) -> None:
+        """Stop a group that failed, lost a peer or did not resize live: quickly."""
         self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
-        self._stop_workers(group)
-        group.state = WorkerState.STOPPED
-        if step.rejoin:  # the round just formed is obsolete already
-            self._rendezvous(group)
-            new_members = self._handler.participants()
-        self._reporter.count_restart(restarts.restart_reason(change.kind, members, new_members))
-        self._reporter.count_resize(RESTART, reason, step.fallback)
-        self._remaining_restarts -= 1  # the next attempt: see __init__
-        self._start_group()
-        return new_members
-
-    def _tell_and_await(self, round_: int) -> str:
-        """Tell the workers round ``round_``; wait until they resized into it (bounded).
-
-        Returns :data:`agent.live.DONE` or the cause to fall back for.
-        """
-        assert self._progress_dir is not None and self._pcontext is not None
-        group = self._worker_group
-        notice = ResizeNotice(
-            round=round_, master_addr=str(group.master_addr),
-            master_port=int(group.master_port or 0),
-            world_size=group.workers[0].world_size if group.workers else 0,
-            ranks={w.local_rank: w.global_rank for w in group.workers}, written_at=time.time(),
-            group_rank=group.group_rank, group_world_size=group.group_world_size,
-        )
-        try:
-            write_resize_notice(self._progress_dir, notice)
-        except OSError as exc:
-            log.warning("cannot write the live resize notice: %s", exc)
-            return NOT_CAPABLE
-        local_ranks = [w.local_rank for w in group.workers]
-        deadline = time.monotonic() + self._live_timeout_s
-        while True:
-            change = self._handler.pending_change()
-            outcome = live.resize_outcome(
-                live.read_workers(self._progress_dir, local_ranks), local_ranks, round_,
-                exited=not all(_alive(pid) for pid in self._pcontext.pids().values()),
-                superseded=change is not None and change.kind not in restarts.PLANNED,
-                now=time.monotonic(), deadline=deadline,
-            )
-            if outcome != live.WAITING:
-                return outcome
-            time.sleep(LIVE_POLL_S)
-
-    def _leave_live(self) -> None:
-        """SIGTERM (a planned leave): let the others resize without this node, if they can.
-
-        Announces the leave in the rendezvous, tells the workers, and waits
-        (bounded by the grace period less :data:`LEAVE_MARGIN_S`) for them to
-        exit once the others resized. Returns either way: then the group is
-        shut down as on any SIGTERM (at once if the workers are gone) and the
-        node leaves the rendezvous. A group that cannot take the live path
-        announces the leave too, and goes today's way at once.
-        """
-        if self._resizing or self._progress_dir is None:
-            return
-        cause = self._live_blocker()
-        if cause is not None:
-            # Said all the same: the others restart their group as a healthy one
-            # (with the grace to save), for a leave, instead of as a broken one
-            # once this node is gone.
-            self._handler.announce_leaving()
-            self._reporter.count_resize(RESTART, "leave", cause)
-            return
-        # The outcome is decided: another SIGTERM must not cut the wait short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        started = time.monotonic()
-        bound = max(1.0, min(self._live_timeout_s, self._grace_s - LEAVE_MARGIN_S))
-        outcome = NOT_ANNOUNCED
-        if self._handler.announce_leaving():
-            try:
-                write_leave_notice(self._progress_dir, now=time.time())
-            except OSError as exc:
-                log.warning("cannot write the live leave notice: %s", exc)
-                outcome = NOT_CAPABLE
-            else:
-                outcome = self._await_left(started + bound)
-        waited = time.monotonic() - started
-        if outcome == live.DONE:
-            log.info("the workers left the group live in %.2f s", waited)
-            self._reporter.count_resize(LIVE, "leave", seconds=waited)
-            return
-        log.warning("the live leave did not complete (%s): stopping the workers", outcome)
-        self._reporter.count_resize(RESTART, "leave", outcome)
-        self._shutdown_timeout = max(1, int(self._grace_s - waited))
-
-    def _await_left(self, deadline: float) -> str:
-        """Wait until every worker exited having left its group (or why not)."""
-        assert self._progress_dir is not None and self._pcontext is not None
-        pids = self._pcontext.pids()
-        while True:
-            outcome = live.leave_outcome(
-                live.read_workers(self._progress_dir, pids), pids, _alive,
-                peers_stay=bool(self._handler.staying_peers()), now=time.monotonic(),
-                deadline=deadline,
-            )
-            if outcome != live.WAITING:
-                return outcome
-            time.sleep(LIVE_POLL_S)
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.STOPPED
 
     def _start_group(self) -> None:
         worker_ids = self._start_workers(self._worker_group)
@@ -486,15 +329,6 @@ class TidalElasticAgent(LocalElasticAgent):
             self._worker_group.workers[local_rank].id = worker_id
         self._worker_group.state = WorkerState.HEALTHY
         self._report_running()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _ignore_stop_requests() -> None:
