@@ -2,7 +2,7 @@
 
 The agent daemon starts one runner process per assigned job, so that one
 job's crash cannot take the daemon down. The runner drives torch's
-``LocalElasticAgent`` on the etcd-v3 rendezvous (run id = job id) with three
+``LocalElasticAgent`` on the etcd-v3 rendezvous (run id = job id) with four
 changes, in :class:`TidalElasticAgent`:
 
 * **membership changes are not failures.** torch charges every worker failure
