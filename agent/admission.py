@@ -38,15 +38,15 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rendezvous import worker_env
-from rendezvous.client import EtcdClient, KeyValue
+from checkpoints.protocol import env as worker_env
 from rendezvous.errors import EtcdError
+from rendezvous.etcd import EtcdClient, KeyValue
 from rendezvous.records import Assignment
 
 log = logging.getLogger(__name__)
 
 #: Variables the coordinator adds to a job's environment from its resize
-#: policy (service.models.ResizePolicy.env); users cannot set ``TIDAL_*``.
+#: policy (service.api.models.ResizePolicy.env); users cannot set ``TIDAL_*``.
 RESIZE_ENV = (worker_env.RESIZE_POLICY, worker_env.GLOBAL_BATCH_SIZE)
 #: Pauses between two looks at an ignored assignment's job record.
 RECHECK_FIRST_S = 0.25
@@ -76,7 +76,7 @@ class _JobSpecView(BaseModel):
 
 
 class JobRecordView(BaseModel):
-    """What the agent reads of ``jobs/<id>`` (service.models.JobRecord, written
+    """What the agent reads of ``jobs/<id>`` (service.api.models.JobRecord, written
     by the coordinator only); other fields are the coordinator's business."""
 
     model_config = ConfigDict(extra="ignore")

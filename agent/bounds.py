@@ -4,7 +4,7 @@ A ``PATCH /v1/jobs/{id}`` that changes a job's bounds has the coordinator
 rewrite each kept node's assignment *in place*: the same generation, new
 ``min_nodes``/``max_nodes``, nothing else changed
 (:func:`service.scheduler.with_bounds`). An agent restarts a runner only for
-a new generation (:mod:`agent.daemon`), so the runner and its workers go on;
+a new generation (:mod:`agent.node.daemon`), so the runner and its workers go on;
 what must follow the new bounds is the runner's rendezvous, which decides
 with them whether a newcomer has room (``max_nodes``) and whether a round can
 form (``min_nodes``).
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from rendezvous.client import EtcdClient, WatchEvent
+from rendezvous.etcd import EtcdClient, WatchEvent
 from rendezvous.records import Assignment
 from rendezvous.watch import PrefixWatcher
 

@@ -1,7 +1,7 @@
 """The workers' progress as the runner and the daemon read it, and the goodput it gives.
 
 Each rank's report (``<progress dir>/rank-<RANK>.json``,
-:class:`rendezvous.progress_file.ProgressReport`) is read without trusting it
+:class:`checkpoints.protocol.progress.ProgressReport`) is read without trusting it
 (:func:`read_progress_file`: the directory is the workers'), folded into one
 :class:`ProgressSummary` (:func:`summarize_progress`), and cut into rounds of
 workers (:func:`round_span`) whose gaps are the time a recovery lost, by cause
@@ -20,14 +20,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rendezvous.progress_file import (
+from checkpoints.protocol.progress import (
     PROGRESS_FORMAT,
     PROGRESS_VERSION,
     ProgressReport,
     is_report_name,
 )
 
-log = logging.getLogger("agent.status")
+log = logging.getLogger("agent.runner.status")
 
 
 # worker progress ---------------------------------------------------------------------

@@ -7,7 +7,7 @@ collector and the log server all go through it)::
         runner-spec.json                   what the daemon asked (agent.spec)
         runner.log                         the runner's own output
         runner-outcome.json                how it ended (agent.spec.OUTCOME_FILE)
-        metrics.json                       its counters (agent.status)
+        metrics.json                       its counters (agent.runner.status)
         progress/                          the workers' reports (checkpoints.progress,
                                            checkpoints.jit, checkpoints.live)
         logs/<run>/attempt_<k>/<local rank>/stdout.log, stderr.log   (torch elastic's)

@@ -3,7 +3,7 @@
 The runner's status thread records restarts by reason, worker exits by code,
 recovery and live-resize durations and torch elastic's own metrics
 (:class:`RunnerMetricsRecorder`) and writes the file; the agent daemon reads
-the files of every generation at scrape time and sums them (:mod:`agent.metrics`).
+the files of every generation at scrape time and sums them (:mod:`agent.node.metrics`).
 The file is live data, not durable state: written through a temporary file
 and a rename, never fsynced. No torch: the daemon reads it.
 """
@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-log = logging.getLogger("agent.status")
+log = logging.getLogger("agent.runner.status")
 
 
 RUNNER_METRICS_FILE = "metrics.json"
@@ -36,11 +36,11 @@ ELASTIC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # A live resize: the runner telling its workers the new round to every worker
 # re-formed its group (a step's time to the notice timeout).
 LIVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# Which way a membership change went on a node (agent.live), and why.
+# Which way a membership change went on a node (agent.runner.live_decide), and why.
 LIVE, RESTART = "live", "restart"
 RESIZE_PATHS = (LIVE, RESTART)
 RESIZE_REASONS = ("join", "leave", "lost")
-# Why a planned change did not take the live path, or gave it up (agent.live).
+# Why a planned change did not take the live path, or gave it up (agent.runner.live_decide).
 NOT_CAPABLE = "not_capable"  # a worker does not take the live path (no library, starting)
 TIMEOUT = "timeout"  # the workers did not answer within live_timeout
 WORKER_EXITED = "worker_exited"  # a worker exited during it
@@ -144,7 +144,7 @@ class RunnerMetrics(BaseModel):
     productive_seconds: float = 0.0
     lost_seconds: dict[str, float] = Field(default_factory=dict)
     # Membership changes by path (live, restart) and reason (join, leave,
-    # lost); the live path's fallbacks by cause (agent.live.FALLBACK_CAUSES);
+    # lost); the live path's fallbacks by cause (agent.runner.live_decide.FALLBACK_CAUSES);
     # how long the live resizes took.
     resizes: dict[str, dict[str, int]] = Field(default_factory=dict)
     live_fallbacks: dict[str, int] = Field(default_factory=dict)

@@ -3,7 +3,7 @@
 The daemon writes a :class:`RunnerSpec`; the runner answers with its exit
 code and, when it ends on an error, a :class:`RunnerOutcome` file beside its
 log (the daemon never reads the log as a protocol). Kept apart from
-:mod:`agent.runner` so that the daemon, which only starts runners, never
+:mod:`agent.runner.elastic` so that the daemon, which only starts runners, never
 imports torch.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.logcap import DEFAULT_MAX_BYTES
-from rendezvous.client import EtcdConfig
+from agent.workers.logcap import DEFAULT_MAX_BYTES
+from rendezvous.etcd import EtcdConfig
 from rendezvous.records import Assignment, JobNodeStatus
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
 EXIT_STOPPED = 3  # stopped on request (SIGTERM): the node left the job
 #: The runner itself broke (an unexpected exception); its outcome file says how.
-#: The daemon charges a restart or fails the job (agent.supervise).
+#: The daemon charges a restart or fails the job (agent.node.supervise).
 EXIT_CRASHED = 4
 
 #: Command words that mean "the interpreter tidal runs in" (see :func:`job_command`).

@@ -25,7 +25,7 @@ documented in docs/checkpoints.md.
 
 This module decides when to save, restore and stop; a save is carried out by
 :mod:`checkpoints.saving`, the checkpoint to resume from is chosen by
-:mod:`checkpoints.restoring`, and the live resize is :mod:`checkpoints.resizing`.
+:mod:`checkpoints.restoring`, and the live resize is :mod:`checkpoints.live.resizing`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from checkpoints import sharded as sharded_io
 from checkpoints.errors import CheckpointError
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
 from checkpoints.live import LiveState, Resize
+from checkpoints.live.resizing import LiveResizing
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
-from checkpoints.resizing import LiveResizing
 from checkpoints.restoring import Resume, choose, load_chosen
 from checkpoints.saving import SaveRecord, Saves, Where
 from checkpoints.signals import EXIT_PREEMPTED, StepConsensus, StopSignal

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from checkpoints.errors import CheckpointError
-from rendezvous import worker_env
+from checkpoints.protocol import env as worker_env
 
 __all__ = [
     "RESIZE_POLICY_ENV",

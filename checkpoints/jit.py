@@ -70,10 +70,10 @@ import torch.distributed as dist
 
 from checkpoints.errors import CheckpointError
 from checkpoints.files import CheckpointFileWriter
+from checkpoints.protocol import env as worker_env
+from checkpoints.protocol.live import read_small
 from checkpoints.state import write_replicated
 from checkpoints.storage import CheckpointStore, jit_name
-from rendezvous import worker_env
-from rendezvous.live_files import read_small
 
 __all__ = [
     "JIT_ENV",

@@ -13,7 +13,7 @@ multiprocess files do.
 The per-step cost is a few attribute updates: a loss tensor is kept by
 reference and converted with ``.item()`` only when the file is written, so no
 step waits for the device. The file format is in docs/checkpoints.md; its
-fields are :data:`PROGRESS_FIELDS`, its model :class:`rendezvous.progress_file.ProgressReport`.
+fields are :data:`PROGRESS_FIELDS`, its model :class:`checkpoints.protocol.progress.ProgressReport`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from rendezvous import worker_env
-from rendezvous.progress_file import (
+from checkpoints.protocol import env as worker_env
+from checkpoints.protocol.progress import (
     PROGRESS_FIELDS,
     PROGRESS_FORMAT,
     PROGRESS_VERSION,
@@ -152,7 +152,7 @@ class FileProgressReporter(ProgressReporter):
         # When this process completed its first step: the agent measures a
         # recovery as "failure noticed -> first step of the new workers".
         self._first_step_time: float | None = None
-        # Goodput (agent.status): the first step this process completed (its
+        # Goodput (agent.runner.status): the first step this process completed (its
         # resume step + 1), when it completed its latest, and how long its
         # saves blocked training in all.
         self._first_step: int | None = None

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import checkpoints as ck
 from checkpoints import nccl
-from rendezvous import worker_env
+from checkpoints.protocol import env as worker_env
 
 log = logging.getLogger("examples.charlm")
 

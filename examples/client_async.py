@@ -18,8 +18,8 @@ import argparse
 import asyncio
 import sys
 
-from service.client import AsyncClient, TidalError, exit_code
-from service.models import JobView
+from service.api.models import JobView
+from service.client.sync import AsyncClient, TidalError, exit_code
 
 HELLO = ["python", "-c", "print('hello, value {}')"]
 

@@ -1,7 +1,7 @@
 """Drive tidal from Python: submit a job, print its logs as they come, wait for its end.
 
 The same as ``tidal submit -- COMMAND`` typed by hand, written with
-:class:`service.client.Client`::
+:class:`service.client.sync.Client`::
 
     python examples/client_submit.py                      # a hello-world job
     python examples/client_submit.py --nodes 2 -- python examples/mlp.py --steps 20
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.client import Client, TidalError
+from service.client.sync import Client, TidalError
 
 HELLO = ["python", "-c", "import os; print('hello from rank', os.environ['RANK'], 'of', "
          "os.environ['WORLD_SIZE'])"]

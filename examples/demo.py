@@ -1,6 +1,6 @@
 """`make demo`: a tidal cluster on this machine keeps a training job going as nodes come and go.
 
-Starts a :class:`service.up.LocalCluster` (etcd, the coordinator, three node
+Starts a :class:`service.up.cluster.LocalCluster` (etcd, the coordinator, three node
 agents) in a temporary state directory and submits the char-level LM of
 examples/charlm.py through the HTTP API (min 1, max 3 nodes, a checkpoint
 every 10 steps). Then:
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from service.up import ClusterError, LocalCluster
+from service.up.cluster import ClusterError, LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 CHARLM = REPO / "examples" / "charlm.py"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from examples.torchrun_scenario import TorchrunCluster, run_kill_and_join
-from rendezvous.client import EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from rendezvous import worker_env
+from checkpoints.protocol import env as worker_env
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Everything in tidal that talks to etcd.
 
-``rendezvous.client`` (the client factory and facade), ``rendezvous.keys`` (the
-key layout), ``rendezvous.etcd_server`` (an embedded etcd), the node registry,
+``rendezvous.etcd`` (the client factory and facade), ``rendezvous.keys`` (the
+key layout), ``rendezvous.etcd.server`` (an embedded etcd), the node registry,
 leases, watches and leader election are importable without torch: the
 coordinator and the agent daemon use them and must stay light. So are the
 contracts both sides of a job share: ``records``, ``worker_env``,

@@ -7,8 +7,8 @@ messages. :meth:`Child.stop` is SIGTERM to the group, a wait, then SIGKILL to
 whatever is left of the group, and the child is reaped: no zombie and no
 orphan once it returns; :func:`stop_all` does the same for several children
 under one deadline (`tidal up`'s agents). It lives in :mod:`rendezvous`, the
-lowest package, so that :mod:`rendezvous.etcd_server` and the service's
-supervisors (:mod:`service.prometheus`, :mod:`service.up_children`) share it.
+lowest package, so that :mod:`rendezvous.etcd.server` and the service's
+supervisors (:mod:`service.up.prometheus`, :mod:`service.up.children`) share it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from rendezvous.client import (
+from rendezvous.errors import EtcdError, LeaseExpiredError
+from rendezvous.etcd import (
     Compare,
     EtcdClient,
     Get,
@@ -38,7 +39,6 @@ from rendezvous.client import (
     TxnResult,
     WatchStream,
 )
-from rendezvous.errors import EtcdError, LeaseExpiredError
 from rendezvous.lease import LeaseKeeper
 
 log = logging.getLogger(__name__)

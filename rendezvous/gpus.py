@@ -5,7 +5,7 @@ An agent describes each of its GPUs in its node record
 index, UUID, model, memory, locality (NUMA node, NVLink island) and health.
 A GPU that is not healthy is out of the node's offer: the coordinator counts
 only healthy GPUs as capacity (:func:`gpus_free`), and the agent gives a job
-only healthy devices (``agent.devices``). ``fault`` says why a GPU is out, in
+only healthy devices (``agent.gpu.devices``). ``fault`` says why a GPU is out, in
 words an operator reads in ``tidal nodes``.
 
 The workers of a job see their devices through :data:`VISIBLE_DEVICES`, with

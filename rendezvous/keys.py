@@ -16,7 +16,7 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/events/<job>/<seq>            job lifecycle events
     P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
     P/rdzv/<job>/store/<key>        the c10d Store of that rendezvous
-    P/rdzv/<job>/assigned/joins/<node>   the agents' rendezvous (rendezvous.assigned):
+    P/rdzv/<job>/assigned/joins/<node>   the agents' rendezvous (rendezvous.elastic.assigned):
     P/rdzv/<job>/assigned/round          a node's join record, the last round,
     P/rdzv/<job>/assigned/closed         and the mark of a finished job
     P/rdzv/<job>/store/<round>/<key>     the c10d store of each of its rounds
@@ -195,7 +195,7 @@ class Keys:
     def rdzv_store_prefix(self, run_id: str) -> str:
         return self.rdzv_prefix(run_id) + "store/"
 
-    # the agents' rendezvous (rendezvous.assigned)
+    # the agents' rendezvous (rendezvous.elastic.assigned)
     def assigned_prefix(self, run_id: str) -> str:
         return self.rdzv_prefix(run_id) + "assigned/"
 

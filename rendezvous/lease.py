@@ -38,8 +38,8 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from rendezvous.client import EtcdClient
 from rendezvous.errors import EtcdError, LeaseExpiredError
+from rendezvous.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 

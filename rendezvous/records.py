@@ -80,7 +80,7 @@ class Assignment(BaseModel):
     min_nodes: int = Field(ge=1, le=10_000)
     max_nodes: int = Field(ge=1, le=10_000)
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
-    # GPUs the job's workers on this node get; the agent picks which (agent.devices).
+    # GPUs the job's workers on this node get; the agent picks which (agent.gpu.devices).
     gpus_per_node: int = Field(default=0, ge=0, le=1024)
     max_restarts: int = Field(default=3, ge=0, le=10_000)
     checkpoint_dir: str | None = Field(default=None, max_length=4096)
@@ -178,15 +178,15 @@ class JobNodeStatus(BaseModel):
     last_checkpoint_time: float | None = None
     total_steps: int | None = Field(default=None, ge=0)
     # Seconds from the last failure or membership change this node noticed to
-    # the first step of the workers it then started (agent.status).
+    # the first step of the workers it then started (agent.runner.status).
     last_recovery_seconds: float | None = Field(default=None, ge=0)
-    # Which path this node's membership changes took (agent.live): "live" (the
+    # Which path this node's membership changes took (agent.runner.live_decide): "live" (the
     # workers re-formed their group in place) or "restart" (stopped and started
     # again from the newest state), counted by path; the last one, with the
     # fallback's cause: "live", "restart", "restart (timeout)".
     resize_paths: dict[str, int] = Field(default_factory=dict, max_length=4)
     last_resize: str | None = Field(default=None, max_length=64)
-    # Goodput on this node (agent.status, docs/checkpoints.md): seconds its workers
+    # Goodput on this node (agent.runner.status, docs/checkpoints.md): seconds its workers
     # trained productively in this generation, and seconds lost, by cause.
     productive_seconds: float | None = Field(default=None, ge=0)
     lost_seconds: dict[str, float] = Field(default_factory=dict, max_length=16)

@@ -42,8 +42,8 @@ from pydantic import (
     model_validator,
 )
 
-from rendezvous.client import Compare, EtcdClient, Get, Put, WatchEvent
 from rendezvous.errors import EtcdError
+from rendezvous.etcd import Compare, EtcdClient, Get, Put, WatchEvent
 from rendezvous.gpus import MAX_GPUS, GpuInfo, check_indices
 from rendezvous.keys import Keys, validate_id
 from rendezvous.lease import LeaseKeeper
@@ -69,7 +69,7 @@ class NodeAlreadyRegisteredError(EtcdError):
 
 
 class LogEndpoint(BaseModel):
-    """Where the coordinator reads a node's job logs (agent.logserve) and the
+    """Where the coordinator reads a node's job logs (agent.node.logserve) and the
     bearer token that route wants. The token is made at random by the agent
     and is read only by etcd's clients; it never appears in the API."""
 

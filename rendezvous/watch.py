@@ -31,8 +31,8 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from rendezvous.client import EtcdClient, KeyValue, WatchEvent, WatchStream
 from rendezvous.errors import EtcdCompactedError, EtcdError
+from rendezvous.etcd import EtcdClient, KeyValue, WatchEvent, WatchStream
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer, etcd_version, find_etcd_binary, is_durable_version
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer, etcd_version, find_etcd_binary, is_durable_version
 from tests.support.agents import SESSION_VAR, AgentCluster
 from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents
 from tests.support.processes import ProcessGroupRegistry

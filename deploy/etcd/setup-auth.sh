@@ -16,7 +16,7 @@
 # docs/deploy.md ("etcd users and roles") for why agents share one user.
 # An agent reads P/jobs/ to run only assignments of jobs that exist.
 #
-# The roles have one home, rendezvous/etcd_auth.py (ROLES), which `tidal up`
+# The roles have one home, rendezvous/etcd/auth.py (ROLES), which `tidal up`
 # applies to its own etcd; the grant lines below must match it
 # (tests/unit/rendezvous/test_etcd_auth.py reads them and compares).
 #

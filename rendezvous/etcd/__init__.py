@@ -12,12 +12,62 @@
   what is safe to retry.
 * :mod:`rendezvous.etcd.stream`: ``WatchStream``, one watch as a plain iterator.
 
-:mod:`rendezvous.client` re-exports the public names; nothing outside this
-package imports pyetcd or grpc.
+This package re-exports the public names, so that callers keep one import:
+``from rendezvous.etcd import EtcdClient, create_client, Put, ...``; nothing
+outside it imports pyetcd or grpc.
 """
 
 from __future__ import annotations
 
 #: The etcd layer's logger. It keeps the name it had when the layer was one
 #: module, so that log lines (and filters on them) read as before.
-LOGGER_NAME = "rendezvous.client"
+LOGGER_NAME = "rendezvous.etcd"
+
+# The submodules import LOGGER_NAME from here, so the re-exports come after it.
+from rendezvous.etcd.config import EtcdConfig, parse_endpoint  # noqa: E402
+from rendezvous.etcd.endpoints import (  # noqa: E402
+    MAX_QUARANTINE_S,
+    REFUSED_QUARANTINE_S,
+    SILENT_QUARANTINE_S,
+    EndpointPicker,
+)
+from rendezvous.etcd.facade import EtcdClient, create_client  # noqa: E402
+from rendezvous.etcd.stream import WatchStream  # noqa: E402
+from rendezvous.etcd.types import (  # noqa: E402
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    Get,
+    KeyValue,
+    Put,
+    TxnOp,
+    TxnResult,
+    WatchBatch,
+    WatchEvent,
+    prefix_range_end,
+)
+
+__all__ = [
+    "MAX_QUARANTINE_S",
+    "REFUSED_QUARANTINE_S",
+    "SILENT_QUARANTINE_S",
+    "Compare",
+    "CompareOp",
+    "CompareTarget",
+    "Delete",
+    "EndpointPicker",
+    "EtcdClient",
+    "EtcdConfig",
+    "Get",
+    "KeyValue",
+    "Put",
+    "TxnOp",
+    "TxnResult",
+    "WatchBatch",
+    "WatchEvent",
+    "WatchStream",
+    "create_client",
+    "parse_endpoint",
+    "prefix_range_end",
+]

@@ -63,8 +63,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment
 from tests.bench.bench_recovery import MARKER, _no_leftovers, _stamp
 from tests.support.agents import AgentCluster, assign, unassign

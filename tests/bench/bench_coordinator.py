@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, Put, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, Put, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.lease import LeaseKeeper
 from rendezvous.registry import NodeInfo
 from tests.support.coordinator import CoordinatorProcess, job_spec

@@ -34,7 +34,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.node.metrics import AgentMetrics, JobStatusCollector
 from agent.progress import read_progress_reports, summarize_progress
 from agent.rundir import generation_dir
 from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics

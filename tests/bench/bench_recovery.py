@@ -88,8 +88,8 @@ from typing import Any, TypeVar
 import pytest
 
 from examples.torchrun_scenario import descendants
-from rendezvous.client import EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment
 from tests.e2e.test_live_resize import (
     CHANGE_DEADLINE_S,

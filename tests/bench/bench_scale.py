@@ -13,7 +13,7 @@ they measured would be the queue for the CPU. So the pause is taken apart:
 
 * **the rendezvous** (tests/support/rdzv_swarm.py): N members against the
   real etcd, each a process of its own with its own etcd client and real
-  :class:`~rendezvous.assigned.AssignedRendezvousHandler`, doing what the
+  :class:`~rendezvous.elastic.assigned.AssignedRendezvousHandler`, doing what the
   runner does with it (ask ``pending_change`` every 0.1 s, join the next
   round). Per change, timed from the bench's act: *a kill* (SIGKILL of a
   member: the restart path's detection through the liveness port), *a join*
@@ -59,7 +59,7 @@ from typing import Any
 
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd.server import EtcdServer
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 

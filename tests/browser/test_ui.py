@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd.server import EtcdServer
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import (
     TOKEN,

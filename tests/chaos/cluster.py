@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
 from rendezvous.records import JobNodeStatus
 from tests.integration.rendezvous.etcd_cluster import LoopbackEtcdCluster
 from tests.support.agents import AgentCluster, is_idle_warm_runner, statuses
@@ -179,7 +179,7 @@ class ChaosCluster:
         for pid in descendants(self.agent_pid(node), table):
             argv = table[pid][1]
             # A runner that took a job retitled itself: its command line is one string.
-            if b"agent.runner_main" in b" ".join(argv) and not is_idle_warm_runner(argv):
+            if b"agent.runner" in b" ".join(argv) and not is_idle_warm_runner(argv):
                 return pid
         return None
 

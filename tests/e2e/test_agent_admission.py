@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import (
     AgentCluster,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.acid import (
     MLP,

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer, free_port
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer, free_port
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import (
     ELASTIC_DDP,
@@ -48,7 +48,7 @@ def _workers_of(node_id: str) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"agent.runner" not in cmdline and b"agent.zygote" not in cmdline:
+        if b"agent.runner.elastic" not in cmdline and b"agent.workers.zygote" not in cmdline:
             pids.append(pid)
     return pids
 

@@ -40,8 +40,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import free_port
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import free_port
 from tests.support.acid import (
     MLP,
     assert_same_params,

@@ -1,8 +1,8 @@
 """Logs from anywhere: a real coordinator reads a job's output from real agents.
 
 The agents serve their run directories' log files behind a token of their
-node record (agent.logserve); the coordinator streams them to any client
-(service.logs) with its own token. The reader here runs in another working
+node record (agent.node.logserve); the coordinator streams them to any client
+(service.coordinator.routes.logs) with its own token. The reader here runs in another working
 directory, with no cluster file: only the coordinator's URL and token.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rendezvous.client import EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.registry import NodeInfo
-from service.client import Client
+from service.client.sync import Client
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import TOKEN, CoordinatorProcess, coordinator_and_agents, job_view
 from tests.support.processes import ProcessGroupRegistry

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.etcd_server import free_port
-from service.prometheus import RULES_FILE, render_config, target_of, write_targets
-from service.up import LocalCluster
+from rendezvous.etcd.server import free_port
+from service.up.cluster import LocalCluster
+from service.up.prometheus import RULES_FILE, render_config, target_of, write_targets
 from tests.support.dashboard import load_dashboard, queries
 from tests.support.processes import ProcessGroupRegistry, group_members
 from tests.support.wait import wait_for

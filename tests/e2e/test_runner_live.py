@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import AgentCluster, assign, job_record_for, statuses, unassign
 from tests.support.processes import ProcessGroupRegistry
@@ -105,7 +105,7 @@ def test_a_join_and_a_leave_are_live_and_a_worker_that_dies_in_one_falls_back_to
         assert st[node].last_resize == "restart (worker_exited)", st[node]
         assert st[node].restart_count == 1, st[node]
         assert st[node].remaining_restarts == job.max_restarts, "a resize charged the budget"
-    # The metrics files follow the status records within a second (agent.status).
+    # The metrics files follow the status records within a second (agent.runner.status).
     for node, counted in (("a", {"live": {"join": 1}, "restart": {"leave": 1}}),
                           ("b", {"live": {"join": 1}, "restart": {"leave": 1}}),
                           ("c", {"live": {"leave": 1}})):

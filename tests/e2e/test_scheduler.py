@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient
+from rendezvous.etcd import EtcdClient
 from rendezvous.records import Assignment
 from tests.support.agents import (
     ELASTIC_DDP,

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.client import EtcdConfig, create_client
 from rendezvous.errors import EtcdAuthError
+from rendezvous.etcd import EtcdConfig, create_client
 from tests.support.processes import ProcessGroupRegistry, group_members
 from tests.support.wait import wait_for
 

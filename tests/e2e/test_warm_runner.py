@@ -7,8 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import (
     ELASTIC_DDP,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
 from tests.support.agents import AgentCluster, assign, statuses
 from tests.support.processes import ProcessGroupRegistry

@@ -20,7 +20,7 @@ This machine's host name resolves to 127.0.0.1 in every namespace (as
 Debian's 127.0.1.1 does on real machines), and gloo binds to what the host
 name resolves to unless told an interface: the jobs set nothing, so these
 tests also check that the agent names its ``--address``'s interface in
-``GLOO_SOCKET_IFNAME`` for the workers (agent/netif.py).
+``GLOO_SOCKET_IFNAME`` for the workers (agent/runner/netif.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ API_PORT = 8470
 LEASE_TTL_S = 3
 ELECTION_TTL_S = 3
 #: The modules a job runner is started as (``python -m MODULE``): now, and before the zygote.
-RUNNER_MODULES = frozenset({b"agent.runner_main", b"agent.runner"})
+RUNNER_MODULES = frozenset({b"agent.runner", b"agent.runner.elastic"})
 #: What every job's workers need to run gloo across the namespaces (see the module doc).
 WORKER_ENV: dict[str, str] = {}  # the agent sets GLOO_SOCKET_IFNAME itself
 
@@ -289,7 +289,7 @@ class NetnsCluster:
         return used
 
     def runner_pids(self, node: str) -> list[int]:
-        """PIDs of the job runners (``python -m agent.runner_main``) on ``node``'s host.
+        """PIDs of the job runners (``python -m agent.runner``) on ``node``'s host.
 
         A warm runner that waits for a job is left out; one that took a job
         titles itself as a runner started for it (one string).

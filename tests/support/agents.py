@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rendezvous.client import Delete, EtcdClient, Put
+from rendezvous.etcd import Delete, EtcdClient, Put
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
 from tests.support.processes import ProcessGroupRegistry
 
@@ -19,7 +19,7 @@ ELASTIC_DDP = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py
 def is_idle_warm_runner(argv: list[bytes]) -> bool:
     """Whether a command line (``/proc/PID/cmdline`` split on NUL) is a warm runner
     still waiting for a job. One that took a job retitles itself as a cold runner."""
-    return b"agent.runner_main" in argv and b"--warm" in argv
+    return b"agent.runner" in argv and b"--warm" in argv
 
 
 def parent_of(pid: int) -> int | None:
@@ -134,7 +134,7 @@ def job_record_for(assignment: Assignment, nodes: dict[str, int]) -> bytes:
     (node -> generation): what an agent checks an assignment against
     (agent.admission). The spec is built unvalidated, so that a test may give
     its job ``TIDAL_*`` variables that a user could not."""
-    from service.models import JobRecord, JobSpec
+    from service.api.models import JobRecord, JobSpec
 
     spec = JobSpec.model_construct(
         name="test", command=list(assignment.command), env=dict(assignment.env),

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from rendezvous.etcd_server import EtcdServer
-from service.ready import read_ready
+from rendezvous.etcd.server import EtcdServer
+from service.up.ready import read_ready
 from tests.support.agents import AgentCluster
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for

@@ -1,4 +1,4 @@
-"""A stand-in worker for the runner's live path: speaks rendezvous.live_files, trains nothing.
+"""A stand-in worker for the runner's live path: speaks checkpoints.protocol.live, trains nothing.
 
 ``python -m tests.support.live_standin MODE [FAIL_FROM]``, run by a tidal
 runner as a job's command. It announces the live path (``ready``) unless MODE
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from rendezvous.live_files import (
+from checkpoints.protocol.live import (
     EXIT_LEFT,
     LiveState,
     WorkerLive,

@@ -1,7 +1,7 @@
 """A rendezvous member in a process of its own, for tests that kill or stop one.
 
 ``python -m tests.support.rdzv_member ENDPOINT ROOT JOB NODE MIN MAX`` joins
-the job's :class:`~rendezvous.assigned.AssignedRendezvousHandler` rendezvous
+the job's :class:`~rendezvous.elastic.assigned.AssignedRendezvousHandler` rendezvous
 on 127.0.0.1, prints one JSON line ``{"round": R, "rank": K, "world": W}``
 once its round completes, and then waits to be killed.
 """
@@ -12,8 +12,8 @@ import json
 import sys
 import threading
 
-from rendezvous.assigned import AssignedRendezvousHandler
-from rendezvous.client import EtcdConfig, create_client
+from rendezvous.elastic.assigned import AssignedRendezvousHandler
+from rendezvous.etcd import EtcdConfig, create_client
 
 
 def main(argv: list[str]) -> None:

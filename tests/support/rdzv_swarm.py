@@ -3,10 +3,10 @@
 ``python -m tests.support.rdzv_swarm members ENDPOINT ROOT JOB OUTDIR`` reads
 ``spawn MIN NODE...`` lines on stdin and forks one member per node: a process
 of its own with its own etcd client and
-:class:`~rendezvous.assigned.AssignedRendezvousHandler` (no expected nodes;
+:class:`~rendezvous.elastic.assigned.AssignedRendezvousHandler` (no expected nodes;
 its first round waits for MIN nodes, later ones for 1: a swarm started
 together forms one round), that does what a tidal runner does with it: joins, asks
-:meth:`~rendezvous.assigned.AssignedRendezvousHandler.pending_change` every
+:meth:`~rendezvous.elastic.assigned.AssignedRendezvousHandler.pending_change` every
 0.1 s (the runner's monitor interval) and joins the next round when there is
 one. SIGTERM is a planned leave: the member announces it, waits for the others'
 next round and leaves. It prints ``pid NODE PID`` for each member, and each
@@ -46,12 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.zygote import PRELOAD, PRELOAD_LATER
-from rendezvous.assigned import AssignedRendezvousHandler
-from rendezvous.client import EtcdConfig, create_client
+from agent.workers.zygote import PRELOAD, PRELOAD_LATER
+from rendezvous.elastic.assigned import AssignedRendezvousHandler
 from rendezvous.errors import EtcdUnavailableError
+from rendezvous.etcd import EtcdConfig, create_client
 
-POLL_S = 0.1  # agent/runner.py's monitor_interval
+POLL_S = 0.1  # agent/runner/elastic.py's monitor_interval
 LEAVE_WAIT_S = 120.0
 CONNECT_ATTEMPTS = 5
 
@@ -160,7 +160,7 @@ def worker(rank: int, world: int, port: int, outdir: Path) -> None:
 
 
 def workers(world: int, port: int, outdir: Path) -> None:
-    # What a tidal zygote imports before it forks a worker (agent.zygote), so
+    # What a tidal zygote imports before it forks a worker (agent.workers.zygote), so
     # that the first formation is not a first DDP's imports (sympy, dynamo).
     for module in (*PRELOAD, *PRELOAD_LATER):
         importlib.import_module(module)

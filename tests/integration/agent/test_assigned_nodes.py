@@ -1,4 +1,4 @@
-"""Whom a job's rendezvous round waits for (agent.runner_setup.assigned_nodes), on a real etcd."""
+"""Whom a job's rendezvous round waits for (agent.runner.setup.assigned_nodes), on a real etcd."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.runner_setup import assigned_nodes
-from rendezvous.client import EtcdClient
+from agent.runner.setup import assigned_nodes
+from rendezvous.etcd import EtcdClient
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
 from tests.support.agents import assign, assign_by_hand

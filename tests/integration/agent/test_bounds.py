@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from agent.bounds import BoundsFollower
-from rendezvous.client import EtcdClient
+from rendezvous.etcd import EtcdClient
 from rendezvous.records import Assignment
 from tests.support.wait import wait_for
 

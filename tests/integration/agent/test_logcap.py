@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from agent.logcap import LogCap
+from agent.workers.logcap import LogCap
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -22,7 +22,7 @@ def test_a_chatty_worker_is_capped_by_copy_and_truncate_without_holes(
     out = log_dir / "stdout.log"
     # torch opens the file with "w" (no O_APPEND); the shim re-opens it for appending.
     worker = procs.spawn(
-        [sys.executable, "-m", "agent.worker_shim", str(os.getpid()), "--",
+        [sys.executable, "-m", "agent.workers.shim", str(os.getpid()), "--",
          sys.executable, "-c", CHATTY],
         log_path=out,
         append=False,
@@ -61,7 +61,7 @@ def test_the_shim_makes_its_log_private_before_the_worker_writes(
     os.chmod(out, 0o644)
     # The worker reports the mode its own output file has when it starts.
     worker = procs.spawn(
-        [sys.executable, "-m", "agent.worker_shim", str(os.getpid()), "--", sys.executable,
+        [sys.executable, "-m", "agent.workers.shim", str(os.getpid()), "--", sys.executable,
          "-c", "import os, stat; print(oct(stat.S_IMODE(os.fstat(1).st_mode)), flush=True)"],
         log_path=out,
         append=False,

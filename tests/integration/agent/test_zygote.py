@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.zygote import ENV_SOCKET, ZygoteProcess, new_address, parse_command, run_through
+from agent.workers.zygote import ENV_SOCKET, ZygoteProcess, new_address, parse_command, run_through
 from tests.support.wait import wait_for
 
 SCRIPT = """
@@ -55,7 +55,7 @@ def _shim(zygote: ZygoteProcess, tmp_path: Path, command: list[str]) -> subproce
     env = {**os.environ, ENV_SOCKET: zygote.path, "WORKER_VAR": "w1"}
     out = open(tmp_path / "out.log", "wb")  # noqa: SIM115  (closed by the caller's process end)
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.worker_shim", str(os.getpid()), "--", *command],
+        [sys.executable, "-m", "agent.workers.shim", str(os.getpid()), "--", *command],
         env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
     )
 
@@ -92,7 +92,7 @@ def test_the_worker_shows_its_own_command(zygote: ZygoteProcess, tmp_path: Path)
     try:
         record = wait_for(lambda: _record(tmp_path), timeout=60, what="the worker to start")
         cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes()
-        assert b"job.py wait" in cmdline and b"agent.zygote" not in cmdline
+        assert b"job.py wait" in cmdline and b"agent.workers.zygote" not in cmdline
         # The environment block is untouched: tools that look for a node's
         # processes by their environment still find the worker.
         environ = Path(f"/proc/{record['pid']}/environ").read_bytes().split(b"\0")
@@ -149,7 +149,7 @@ def _alive(pid: int) -> bool:
 # A runner that starts a zygote, says "ready" once it listens, then waits.
 RUNNER = """
 import os, sys, time
-from agent.zygote import ZygoteProcess
+from agent.workers.zygote import ZygoteProcess
 zygote = ZygoteProcess(os.getpid())
 assert zygote.wait_ready(120)
 print(zygote.path, flush=True)
@@ -166,7 +166,7 @@ def _zygote_of(runner: int) -> int | None:
             argv = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == runner and b"agent.zygote" in argv:
+        if int(stat[1]) == runner and b"agent.workers.zygote" in argv:
             return int(entry.name)
     return None
 

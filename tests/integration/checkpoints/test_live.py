@@ -41,7 +41,7 @@ from checkpoints.live import (
     write_leave_notice,
     write_resize_notice,
 )
-from rendezvous.etcd_server import free_port
+from rendezvous.etcd.server import free_port
 from tests.integration.checkpoints.test_acid import params_of
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.settings import AgentSettings
+from agent.node.settings import AgentSettings
 from rendezvous.errors import EtcdBinaryNotFoundError
-from rendezvous.etcd_server import find_etcd_binary
-from service.settings import CoordinatorSettings
+from rendezvous.etcd.server import find_etcd_binary
+from service.coordinator.settings import CoordinatorSettings
 
 REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"

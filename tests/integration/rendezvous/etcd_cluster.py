@@ -1,6 +1,6 @@
 """A real 3-member etcd cluster on loopback ports, for the client's failover tests.
 
-:class:`~rendezvous.etcd_server.EtcdServer` runs one member; failover needs
+:class:`~rendezvous.etcd.server.EtcdServer` runs one member; failover needs
 several members of *one* cluster, so that a call that fails over reads and
 writes the same data. Every member runs in its own process group through the
 test's :class:`~tests.support.processes.ProcessGroupRegistry` (killed at
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rendezvous.etcd_server import free_port
+from rendezvous.etcd.server import free_port
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 

@@ -17,9 +17,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
-from rendezvous.assigned_rounds import Fence
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
+from rendezvous.elastic.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
+from rendezvous.elastic.assigned_rounds import Fence
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import Assignment
 from tests.support.processes import ProcessGroupRegistry

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rendezvous.client import (
+from rendezvous.errors import EtcdCompactedError, EtcdUnavailableError, LeaseExpiredError
+from rendezvous.etcd import (
     Compare,
     Delete,
     EtcdClient,
@@ -16,8 +17,7 @@ from rendezvous.client import (
     Put,
     create_client,
 )
-from rendezvous.errors import EtcdCompactedError, EtcdUnavailableError, LeaseExpiredError
-from rendezvous.etcd_server import EtcdServer, free_port
+from rendezvous.etcd.server import EtcdServer, free_port
 from tests.integration.rendezvous.etcd_cluster import wait_stopped
 from tests.support.wait import wait_for
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import Compare, EtcdClient, EtcdConfig, Get, Put
 from rendezvous.election import Election, ElectionTimeoutError, NotLeaderError
+from rendezvous.etcd import Compare, EtcdClient, EtcdConfig, Get, Put
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
@@ -22,7 +22,7 @@ MARGIN_S = 1.5  # scheduling slack on a shared 2-core machine, for bounds on wai
 # logs what etcd made of each write.
 CHILD = """
 import sys, time
-from rendezvous.client import EtcdConfig, create_client
+from rendezvous.etcd import EtcdConfig, create_client
 from rendezvous.election import Election, NotLeaderError
 endpoint, root, target = sys.argv[1], sys.argv[2], sys.argv[3]
 client = create_client(EtcdConfig(endpoints=[endpoint], timeout_s=2.0, root=root))

@@ -14,10 +14,10 @@ import secrets
 
 import pytest
 
-from rendezvous.client import EtcdConfig, create_client
 from rendezvous.errors import EtcdAuthError
-from rendezvous.etcd_auth import AGENT_USER, COORDINATOR_USER, ROOT_USER, USERS, enable_auth
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdConfig, create_client
+from rendezvous.etcd.auth import AGENT_USER, COORDINATOR_USER, ROOT_USER, USERS, enable_auth
+from rendezvous.etcd.server import EtcdServer
 
 ROOT = "/tidal"
 

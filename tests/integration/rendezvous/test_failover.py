@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from rendezvous.client import EtcdClient, EtcdConfig, Get, create_client
+from rendezvous.elastic.etcd_v3 import EtcdV3RendezvousBackend, create_backend
 from rendezvous.errors import EtcdUnavailableError
-from rendezvous.etcd_server import EtcdServer, find_etcd_binary
+from rendezvous.etcd import EtcdClient, EtcdConfig, Get, create_client
+from rendezvous.etcd.server import EtcdServer, find_etcd_binary
 from rendezvous.lease import LeaseKeeper
-from rendezvous.torch_backend import EtcdV3RendezvousBackend, create_backend
 from tests.integration.rendezvous.etcd_cluster import LoopbackEtcdCluster, wait_stopped
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.lease import LeaseKeeper
 from tests.support.wait import wait_for
 

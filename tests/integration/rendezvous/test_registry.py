@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.registry import NodeAlreadyRegisteredError, NodeInfo, NodeRegistry
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
@@ -23,7 +23,7 @@ EXPIRY_MARGIN_S = 1.0
 
 CHILD = """
 import sys, time
-from rendezvous.client import EtcdConfig, create_client
+from rendezvous.etcd import EtcdConfig, create_client
 from rendezvous.registry import NodeInfo, NodeRegistry
 endpoint, root, node_id, ttl = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 client = create_client(EtcdConfig(endpoints=[endpoint], timeout_s=2.0, root=root))

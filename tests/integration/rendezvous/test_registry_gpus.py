@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rendezvous.client import EtcdClient
+from rendezvous.etcd import EtcdClient
 from rendezvous.gpus import GpuInfo
 from rendezvous.registry import NodeInfo, NodeRegistry
 

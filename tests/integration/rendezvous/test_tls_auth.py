@@ -43,9 +43,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
 from rendezvous.errors import EtcdAuthError, EtcdError, EtcdUnavailableError
-from rendezvous.etcd_server import EtcdServer, etcd_version, find_etcd_binary, free_port
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer, etcd_version, find_etcd_binary, free_port
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import CoordinatorProcess, job_spec
 from tests.support.processes import ProcessGroupRegistry

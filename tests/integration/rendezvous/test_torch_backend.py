@@ -20,14 +20,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer, free_port
-from rendezvous.torch_backend import (
+from rendezvous.elastic.etcd_v3 import (
     EtcdV3RendezvousBackend,
     EtcdV3Store,
     create_backend,
     delete_rendezvous,
 )
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer, free_port
 
 
 @pytest.fixture

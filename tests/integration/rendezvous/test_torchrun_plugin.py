@@ -21,7 +21,7 @@ from examples.torchrun_scenario import (
     run_kill_and_join,
     wait_until,
 )
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd.server import EtcdServer
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, KeyValue, WatchEvent, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, KeyValue, WatchEvent, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.watch import PrefixWatcher, diff_snapshots
 from tests.support.wait import wait_for
 

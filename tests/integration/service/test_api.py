@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, create_client
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
 from tests.support.coordinator import TOKEN, CoordinatorProcess, job_spec

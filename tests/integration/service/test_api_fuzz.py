@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd.server import EtcdServer
 from tests.support.coordinator import TOKEN, CoordinatorProcess
 from tests.support.processes import ProcessGroupRegistry
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
-from service.client import TargetError, resolve_target
+from rendezvous.etcd.server import EtcdServer
+from service.client.sync import TargetError, resolve_target
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import wait_for_url
 from tests.support.processes import ProcessGroupRegistry

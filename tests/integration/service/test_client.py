@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
-from service.client import (
+from rendezvous.etcd.server import EtcdServer
+from service.api.models import JobPhase
+from service.client.sync import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
     EXIT_TIMEOUT,
@@ -35,7 +36,6 @@ from service.client import (
     UnauthorizedError,
     WaitTimeoutError,
 )
-from service.models import JobPhase
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import TOKEN, CoordinatorProcess
 from tests.support.processes import ProcessGroupRegistry

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
 from tests.support.coordinator import CoordinatorProcess, job_spec

@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient, EtcdConfig, Put, create_client
 from rendezvous.errors import EtcdNoSpaceError
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient, EtcdConfig, Put, create_client
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.lease import LeaseKeeper
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
-from service.models import MAX_ENV_BYTES, JobRecord, JobSpec
+from service.api.models import MAX_ENV_BYTES, JobRecord, JobSpec
 from tests.support.coordinator import CoordinatorProcess, job_spec
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rendezvous.client import EtcdClient
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus, WorkerError
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
 from tests.support.coordinator import CoordinatorProcess, job_spec

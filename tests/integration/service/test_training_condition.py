@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rendezvous.etcd_server import EtcdServer
+from rendezvous.etcd.server import EtcdServer
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import CoordinatorProcess, job_view
 from tests.support.processes import ProcessGroupRegistry

@@ -1,7 +1,7 @@
 """An in-memory stand-in for the etcd client facade, for the agent's unit tests.
 
-It has only what :class:`agent.status.StatusReporter` and
-:class:`agent.metrics.JobStatusCollector` use: ``keys``, ``get``, ``put`` and
+It has only what :class:`agent.runner.status.StatusReporter` and
+:class:`agent.node.metrics.JobStatusCollector` use: ``keys``, ``get``, ``put`` and
 ``config.timeout_s``, with the real client's parameters and result types
 (tests/unit/agent/test_fakes.py holds it to that). Everything above unit
 level uses a real etcd.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from rendezvous.client import KeyValue
+from rendezvous.etcd import KeyValue
 from rendezvous.keys import Keys
 from rendezvous.records import JobNodeStatus
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from agent.admission import AssignmentGate, decide, record_nodes
-from rendezvous.client import KeyValue
 from rendezvous.errors import EtcdUnavailableError
+from rendezvous.etcd import KeyValue
 from rendezvous.keys import Keys
 from rendezvous.records import Assignment
-from service.models import JobRecord, JobSpec, ResizePolicy
+from service.api.models import JobRecord, JobSpec, ResizePolicy
 from service.scheduler import assignment_for
 
 

@@ -1,4 +1,4 @@
-"""The device planner (agent.devices): which GPUs a job gets on a node.
+"""The device planner (agent.gpu.devices): which GPUs a job gets on a node.
 
 Unit tests name the rules; a property test runs random histories of jobs
 starting, stopping, restarting and GPUs failing against the one invariant
@@ -12,7 +12,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.devices import DeviceMemory, failed_devices, plan_devices
+from agent.gpu.devices import DeviceMemory, failed_devices, plan_devices
 from rendezvous.gpus import GpuInfo
 
 

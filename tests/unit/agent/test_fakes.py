@@ -1,6 +1,6 @@
 """The agent's unit-test etcd (tests/unit/agent/fakes.py) stays a stand-in for the real client.
 
-Each method of :class:`FakeEtcd` that the real :class:`rendezvous.client.EtcdClient`
+Each method of :class:`FakeEtcd` that the real :class:`rendezvous.etcd.EtcdClient`
 also has must take the same parameters (names, kinds, defaults) and say it
 returns the same type; a change to the client's facade that the fake does not
 follow fails here, not as a unit test that passes against behaviour the real
@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 
-from rendezvous.client import EtcdClient
+from rendezvous.etcd import EtcdClient
 from tests.unit.agent.fakes import FakeEtcd
 
 #: FakeEtcd's helpers for tests, which the real client does not have.

@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 import pytest
 
 from agent.progress import RoundSpan, recovery_losses, round_span
-from rendezvous.progress_file import ProgressReport
+from checkpoints.protocol.progress import ProgressReport
 from rendezvous.records import JobNodeState, JobNodeStatus
-from service.cli_views import goodput_text
-from service.views import goodput_fields
+from service.cli.views import goodput_text
+from service.coordinator.views import goodput_fields
 
 
 def report(round_: int, *, first: int, step: int, t0: float, t1: float,

@@ -1,4 +1,4 @@
-"""The agent's GPU inventory (agent.gpus), its node-level wrapper and its metrics."""
+"""The agent's GPU inventory (agent.gpu.nvml), its node-level wrapper and its metrics."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.gpu_metrics import GpuCollector
-from agent.gpu_node import NodeGpus, NoDevicesError
-from agent.gpus import (
+from agent.gpu.metrics import GpuCollector
+from agent.gpu.nvml import (
     DeadlineError,
     FileInventory,
     GpuInventoryError,
@@ -23,7 +22,8 @@ from agent.gpus import (
     parse_selection,
     select,
 )
-from agent.settings import AgentSettings
+from agent.node.gpus import NodeGpus, NoDevicesError
+from agent.node.settings import AgentSettings
 from rendezvous.gpus import GpuInfo
 
 

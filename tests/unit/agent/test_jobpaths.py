@@ -1,4 +1,4 @@
-"""The runner's checks of a job's directories where it uses them (agent.jobpaths)."""
+"""The runner's checks of a job's directories where it uses them (agent.workers.jobpaths)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.jobpaths import JobSetupError, check_directory, enter_directory, open_directory
 from agent.spec import job_command
+from agent.workers.jobpaths import JobSetupError, check_directory, enter_directory, open_directory
 
 
 @pytest.fixture

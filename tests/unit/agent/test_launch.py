@@ -1,4 +1,4 @@
-"""A runner's spec file and environment, and the warm runner's hand-over (agent.launch)."""
+"""A runner's spec file and environment, and the warm runner's hand-over (agent.node.launch)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.launch import WarmRunner, _Warm, runner_env, write_spec
-from agent.settings import AgentSettings
+from agent.node.launch import WarmRunner, _Warm, runner_env, write_spec
+from agent.node.settings import AgentSettings
+from agent.node.warm_policy import WARM_REFILL_DELAY_S, WARM_RETRY_S, WarmTimer
 from agent.spec import RunnerSpec
-from agent.warm_policy import WARM_REFILL_DELAY_S, WARM_RETRY_S, WarmTimer
-from agent.workeruser import ENV_WORKER_USER
-from rendezvous import worker_env
+from agent.workers.user import ENV_WORKER_USER
+from checkpoints.protocol import env as worker_env
 from rendezvous.records import Assignment
 
 

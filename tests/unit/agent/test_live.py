@@ -1,4 +1,4 @@
-"""The runner's side of a live resize: its files and its decisions (agent.live)."""
+"""The runner's side of a live resize: its files and its decisions (agent.runner.live_decide)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import live
+from agent.runner import live_decide as live
 from agent.runner_metrics import (
     FALLBACK_CAUSES,
     MEMBERSHIP_CHANGED,

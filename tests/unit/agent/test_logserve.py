@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.logserve import (
+from agent.node.logserve import (
     MAX_LINE_BYTES,
     BadRequestError,
     LogServer,

@@ -9,15 +9,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon import Agent
-from agent.metrics import (
+from agent.node.daemon import Agent
+from agent.node.metrics import (
     RESTART_REASONS,
     AgentMetrics,
     JobStatusCollector,
 )
+from agent.node.settings import AgentSettings
 from agent.rundir import generation_dir, generation_dirs
 from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
-from agent.settings import AgentSettings
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
 from tests.support.no_torch import assert_imports_without_torch
 from tests.unit.agent.fakes import FakeEtcd
@@ -202,8 +202,8 @@ def test_the_collector_reads_where_the_daemon_runs_a_generation(tmp_path: Path) 
 
 
 def test_the_daemon_exports_metrics_without_importing_torch() -> None:
-    assert_imports_without_torch("agent.daemon", "agent.metrics", "agent.status",
-                                 "service.prometheus")
+    assert_imports_without_torch("agent.node.daemon", "agent.node.metrics", "agent.runner.status",
+                                 "service.up.prometheus")
 
 
 def test_the_path_each_membership_change_took_is_counted_over_generations(

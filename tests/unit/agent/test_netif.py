@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agent.netif import interface_of, socket_interface_env
+from agent.runner.netif import interface_of, socket_interface_env
 
 
 def _a_non_loopback_ipv4() -> tuple[str, str] | None:

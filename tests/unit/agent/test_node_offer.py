@@ -1,5 +1,5 @@
 """A failed GPU takes its jobs off the node, GPUs not free make a job wait or leave
-(agent.node_offer); the daemon's part end to end: tests/e2e/test_gpus.py."""
+(agent.node.offer); the daemon's part end to end: tests/e2e/test_gpus.py."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from agent.gpu_node import NodeGpus
-from agent.node_offer import NodeOffer, evictions, held_devices, left_status, waits_for_devices
-from agent.settings import AgentSettings
+from agent.node.gpus import NodeGpus
+from agent.node.offer import NodeOffer, evictions, held_devices, left_status, waits_for_devices
+from agent.node.settings import AgentSettings
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus
 from tests.unit.agent.fakes import FakeEtcd
 from tests.unit.agent.test_gpus import write_inventory

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent.gpus import NvmlInventory
+from agent.gpu.nvml import NvmlInventory
 
 
 class NVMLError(Exception):

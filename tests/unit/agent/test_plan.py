@@ -1,5 +1,5 @@
 """Which runners the daemon stops, rebounds and starts, and which assignment a job runs
-(agent.plan)."""
+(agent.node.plan)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.plan import (
+from agent.node.plan import (
     RunnerPlan,
     RunnerView,
     Stop,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent.progress import summarize_progress
 from checkpoints.progress import FileProgressReporter, NullProgressReporter
-from rendezvous.progress_file import ProgressReport
+from checkpoints.protocol.progress import ProgressReport
 
 
 def test_the_total_is_reported_and_summarized_with_the_newest_round(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The daemon carries its runner plan out (agent.daemon.Agent.reconcile; the plan itself:
+"""The daemon carries its runner plan out (agent.node.daemon.Agent.reconcile; the plan itself:
 test_plan.py): a stop is one SIGTERM, new bounds go to the runner in place."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from agent.daemon import Agent, _Runner
-from agent.metrics import AgentMetrics
-from agent.settings import AgentSettings
-from agent.warm_policy import WarmTimer
+from agent.node.daemon import Agent, _Runner
+from agent.node.metrics import AgentMetrics
+from agent.node.settings import AgentSettings
+from agent.node.warm_policy import WarmTimer
 from rendezvous.records import Assignment
 
 

@@ -1,4 +1,5 @@
-"""The runner's restart decisions (agent.restarts): what a failure or a change costs, what next."""
+"""The runner's restart decisions (agent.runner.restarts): what a failure or a change
+costs, what next."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import live, restarts
-from agent.restarts import Action, Step
+from agent.runner import live_decide as live
+from agent.runner import restarts
+from agent.runner.restarts import Action, Step
 from agent.runner_metrics import MEMBERSHIP_CHANGED, NOT_CAPABLE, TIMEOUT, WORKER_EXITED
-from rendezvous.assigned_rounds import CHANGE_KINDS, LEAVING, LOST, SUPERSEDED, WAITING
+from rendezvous.elastic.assigned_rounds import CHANGE_KINDS, LEAVING, LOST, SUPERSEDED, WAITING
 from rendezvous.records import RestartReason
 
 AB, ABC, AC, ABD = (frozenset(s) for s in ("ab", "abc", "ac", "abd"))

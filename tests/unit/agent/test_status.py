@@ -12,13 +12,14 @@ import pytest
 from torch.distributed.elastic import metrics as elastic_metrics
 from torch.distributed.elastic.metrics.api import NullMetricHandler
 
-from agent.elastic_metrics import configure_elastic_metrics
 from agent.progress import (
     PROGRESS_MAX_BYTES,
     read_progress,
     read_progress_reports,
     summarize_progress,
 )
+from agent.runner.elastic_metrics import configure_elastic_metrics
+from agent.runner.status import StatusReporter
 from agent.runner_metrics import (
     RECOVERY_BUCKETS,
     HistogramData,
@@ -26,10 +27,9 @@ from agent.runner_metrics import (
     elastic_call_name,
     read_runner_metrics,
 )
-from agent.status import StatusReporter
 from checkpoints import progress as progress_writer
 from checkpoints.progress import FileProgressReporter
-from rendezvous.progress_file import PROGRESS_FORMAT, PROGRESS_VERSION
+from checkpoints.protocol.progress import PROGRESS_FORMAT, PROGRESS_VERSION
 from rendezvous.records import JobNodeState, JobNodeStatus, RestartReason
 from tests.support.wait import wait_for
 from tests.unit.agent.fakes import FakeEtcd

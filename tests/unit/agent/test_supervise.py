@@ -1,9 +1,9 @@
-"""What the agent does once a job's runner has exited (agent.supervise), without etcd."""
+"""What the agent does once a job's runner has exited (agent.node.supervise), without etcd."""
 
 from __future__ import annotations
 
+from agent.node.supervise import Action, after_exit, describe_exit, signal_name
 from agent.spec import EXIT_CRASHED, EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerOutcome
-from agent.supervise import Action, after_exit, describe_exit, signal_name
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus, WorkerError
 
 JOB = Assignment(job_id="j", generation=2, command=["python", "t.py"], min_nodes=1,

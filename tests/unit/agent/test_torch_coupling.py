@@ -1,12 +1,12 @@
 """The private parts of torch elastic that tidal's runner relies on, checked loudly.
 
-:class:`agent.runner.TidalElasticAgent` extends torch's ``LocalElasticAgent``
+:class:`agent.runner.elastic.TidalElasticAgent` extends torch's ``LocalElasticAgent``
 by overriding and calling members that torch does not document as public. A
 torch release that renames one, changes its parameters or stops setting one
 of the attributes would break recovery in ways only the scenario tests see,
 late and obscurely. This test names each one; when it fails after a torch
-upgrade, it says which hook moved, and agent/runner.py (with its live path's
-mixin, agent/runner_live.py) is the place to adapt (pyproject.toml says
+upgrade, it says which hook moved, and agent/runner/elastic.py (with its live path's
+mixin, agent/runner/live_path.py) is the place to adapt (pyproject.toml says
 ``torch>=2.4``; the suite runs on the pinned release in the Makefile).
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from agent.runner import TidalElasticAgent
+from agent.runner.elastic import TidalElasticAgent
 
 #: method -> its parameters (after self) the runner passes, first the positional ones.
 METHODS: dict[str, tuple[str, ...]] = {
@@ -79,7 +79,7 @@ def test_every_torch_hook_the_runner_uses_is_still_there_with_its_parameters(nam
 
 
 def test_the_runner_overrides_what_it_means_to_and_nothing_else_private() -> None:
-    # the runner's own classes: the agent and its mixins (agent.runner_live)
+    # the runner's own classes: the agent and its mixins (agent.runner.live_path)
     ours = [cls for cls in TidalElasticAgent.__mro__ if cls.__module__.startswith("agent.")]
     overridden = {
         name for cls in ours for name, value in vars(cls).items()

@@ -1,12 +1,12 @@
 """When the daemon keeps a warm runner ready, starts, forgets and replaces it
-(agent.warm_policy)."""
+(agent.node.warm_policy)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.warm_policy import (
+from agent.node.warm_policy import (
     WARM_REFILL_DELAY_S,
     WARM_RETRY_MAX_S,
     WARM_RETRY_S,

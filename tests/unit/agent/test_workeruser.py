@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.workeruser import (
+from agent.workers.user import (
     ENV_WORKER_USER,
     WorkerUser,
     _let_through,
@@ -60,7 +60,7 @@ def test_the_shim_hands_the_worker_its_progress_dir_and_error_file_and_a_way_to_
     logs = tmp_path / "logs"
     logs.mkdir(mode=0o700)
     os.chown(logs, -1, user.gid)
-    os.chmod(logs, 0o710)  # as agent.logcap.private_log_dir leaves it
+    os.chmod(logs, 0o710)  # as agent.workers.logcap.private_log_dir leaves it
     private = logs / "job_abc"  # torch's mkdtemp
     private.mkdir(mode=0o700)
     rank = private / "attempt_0" / "0"

@@ -36,7 +36,7 @@ from checkpoints.live import (
     write_resize_notice,
     write_worker_live,
 )
-from checkpoints.live_sync import _fill, _slots, _split
+from checkpoints.live.sync import _fill, _slots, _split
 from checkpoints.progress import FileProgressReporter, NullProgressReporter
 
 

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from service.prometheus import AGENT_JOB, COORDINATOR_JOB, RULES_FILE, render_config, write_targets
+from service.up.prometheus import (
+    AGENT_JOB,
+    COORDINATOR_JOB,
+    RULES_FILE,
+    render_config,
+    write_targets,
+)
 from tests.support.dashboard import load_dashboard, metric_names, panels, queries
 
 REPO = Path(__file__).resolve().parents[3]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rendezvous.assigned_rounds import (
+from rendezvous.elastic.assigned_rounds import (
     LEAVING,
     LOST,
     SUPERSEDED,

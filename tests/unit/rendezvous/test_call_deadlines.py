@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from rendezvous.elastic.etcd_v3 import DEFAULT_RDZV_CONF, MIN_CALL_TIMEOUT_S, liveness_call_timeout
+from rendezvous.elastic.store import ride_out_outage
 from rendezvous.errors import EtcdAuthError, EtcdUnavailableError
-from rendezvous.etcd_store import ride_out_outage
-from rendezvous.torch_backend import DEFAULT_RDZV_CONF, MIN_CALL_TIMEOUT_S, liveness_call_timeout
 
 
 def test_tidals_default_liveness_window_gives_state_calls_one_second() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rendezvous.client import EtcdConfig, parse_endpoint, prefix_range_end
+from rendezvous.etcd import EtcdConfig, parse_endpoint, prefix_range_end
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rendezvous.client import (
+from rendezvous.etcd import (
     MAX_QUARANTINE_S,
     REFUSED_QUARANTINE_S,
     SILENT_QUARANTINE_S,

@@ -1,4 +1,4 @@
-"""The etcd roles have one home (rendezvous.etcd_auth.ROLES); setup-auth.sh mirrors it."""
+"""The etcd roles have one home (rendezvous.etcd.auth.ROLES); setup-auth.sh mirrors it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.etcd_auth import AGENT_USER, COORDINATOR_USER, ROLES, Role, enable_auth
+from rendezvous.etcd.auth import AGENT_USER, COORDINATOR_USER, ROLES, Role, enable_auth
 from rendezvous.keys import InvalidIdentifierError
 
 REPO = Path(__file__).resolve().parents[3]

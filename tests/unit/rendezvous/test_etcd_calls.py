@@ -17,8 +17,8 @@ import grpc
 import pytest
 from pyetcd import etcdrpc
 
-from rendezvous.client import Compare, EtcdClient, EtcdConfig, Get, Put, WatchStream
 from rendezvous.errors import EtcdError, EtcdUnavailableError
+from rendezvous.etcd import Compare, EtcdClient, EtcdConfig, Get, Put, WatchStream
 from tests.unit.rendezvous.test_etcd_translate import RpcError
 
 TIMEOUT_S = 3.0

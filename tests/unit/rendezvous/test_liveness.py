@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from rendezvous.assigned_rounds import Member, RoundRecord, order_members
-from rendezvous.liveness import LivenessServer, PeerMonitor, Probe, probe
+from rendezvous.elastic.assigned_rounds import Member, RoundRecord, order_members
+from rendezvous.elastic.liveness import LivenessServer, PeerMonitor, Probe, probe
 
 
 def _closed_port() -> int:

@@ -1,9 +1,9 @@
 """Importing rendezvous (all but the torch-facing handlers) must not import torch.
 
 The coordinator imports rendezvous and must stay light; only
-rendezvous/torch_backend.py and rendezvous/assigned.py (the handlers torch
+rendezvous/elastic/etcd_v3.py and rendezvous/elastic/assigned.py (the handlers torch
 elastic calls, with assigned_join.py, the latter's own join record) and
-rendezvous/etcd_store.py (their c10d store) may import torch.
+rendezvous/elastic/store.py (their c10d store) may import torch.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import sys
 CHECK = """
 import importlib, pkgutil, sys
 import rendezvous
-names = [m.name for m in pkgutil.iter_modules(rendezvous.__path__)
-         if m.name not in ("torch_backend", "assigned", "assigned_join", "etcd_store")]
+TORCH = {"elastic.etcd_v3", "elastic.assigned", "elastic.assigned_join", "elastic.store"}
+names = [m.name[len("rendezvous."):]
+         for m in pkgutil.walk_packages(rendezvous.__path__, "rendezvous.")
+         if m.name[len("rendezvous."):] not in TORCH]
 for name in names:
     importlib.import_module("rendezvous." + name)
 assert "torch" not in sys.modules, "torch was imported by rendezvous"
@@ -29,5 +31,5 @@ def test_rendezvous_modules_import_without_torch():
     )
     assert out.returncode == 0, out.stderr
     imported = out.stdout.strip().split(",")
-    assert {"client", "keys", "errors", "etcd_server", "liveness",
-            "assigned_rounds"} <= set(imported)
+    assert {"etcd", "keys", "errors", "etcd.server", "elastic.liveness",
+            "elastic.assigned_rounds"} <= set(imported)

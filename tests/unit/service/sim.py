@@ -16,8 +16,8 @@ from datetime import datetime, timedelta, timezone
 
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
 from rendezvous.registry import NodeInfo
-from service.models import EventReason, JobEvent, JobPhase, JobRecord, JobSpec
-from service.queues import QueueSpec
+from service.api.models import EventReason, JobEvent, JobPhase, JobRecord, JobSpec
+from service.api.queues import QueueSpec
 from service.scheduler import ClusterView, Decision, JobChange, Policy, decide
 
 T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
@@ -198,7 +198,7 @@ class Sim:
         Unless given, the generation is the assignment's and the world size the
         job's current one (assigned nodes times processes per node). ``charged``:
         the restarts the agent charged to the node's budget in this generation;
-        ``last_resize``: the path its last membership change took (agent.live).
+        ``last_resize``: the path its last membership change took (agent.runner.live_decide).
         """
         if generation is None:
             generation = self.view.assignments[job_id][node_id].generation

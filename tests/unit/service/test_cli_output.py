@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.cli_output import cut, fit_widths, labelled, table, terminal_width
+from service.cli.output import cut, fit_widths, labelled, table, terminal_width
 
 HEADERS = ["JOB", "PHASE", "COMMAND"]
 ROWS: list[list[object]] = [
@@ -88,6 +88,6 @@ def test_the_width_is_columns_else_the_terminal_else_none(monkeypatch: pytest.Mo
 
 
 def test_every_job_and_node_command_that_prints_data_takes_json() -> None:
-    from service.commands import COMMANDS
+    from service.cli.jobs import COMMANDS
 
     assert [c.name for c in COMMANDS if not any(p.name == "as_json" for p in c.params)] == []

@@ -15,8 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from service.cli_common import cli_error
-from service.client import (
+from service.api.models import JobPhase, JobView
+from service.cli.common import cli_error
+from service.client.errors import api_error
+from service.client.sync import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
     EXIT_NOT_CONFIGURED,
@@ -46,8 +48,6 @@ from service.client import (
     check_outcome,
     exit_code,
 )
-from service.errors import api_error
-from service.models import JobPhase, JobView
 
 URL = "http://coordinator.test"
 

@@ -1,4 +1,4 @@
-"""Both clients walk every page of jobs through service.client_calls.Pager."""
+"""Both clients walk every page of jobs through service.client.calls.Pager."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 
-from service.client import AsyncClient, Client
-from service.client_calls import Pager
-from service.models import JobList
+from service.api.models import JobList
+from service.client.calls import Pager
+from service.client.sync import AsyncClient, Client
 from tests.unit.service.test_client import URL
 from tests.unit.service.test_client import _view as view
 

@@ -10,7 +10,16 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.follow import (
+from service.api.models import (
+    EventReason,
+    JobEvent,
+    JobPhase,
+    JobRecord,
+    JobSpec,
+    JobView,
+    SpecView,
+)
+from service.cli.console import (
     FollowConsole,
     Progress,
     StepRate,
@@ -22,8 +31,7 @@ from service.follow import (
     should_print,
     throughput,
 )
-from service.logs import nodes_of_job, output_line, tidal_line
-from service.models import EventReason, JobEvent, JobPhase, JobRecord, JobSpec, JobView, SpecView
+from service.coordinator.routes.logs import nodes_of_job, output_line, tidal_line
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
 
@@ -164,7 +172,7 @@ def test_the_nodes_of_a_job_are_those_assigned_reporting_or_named_by_an_event() 
 
 def test_the_api_shows_the_progress_of_the_nodes_in_force() -> None:
     from rendezvous.records import JobNodeState, JobNodeStatus
-    from service.views import progress_fields
+    from service.coordinator.views import progress_fields
 
     def status(node: str, **fields: Any) -> JobNodeStatus:
         return JobNodeStatus(job_id="t-0123abcd", node_id=node, state=JobNodeState.RUNNING,

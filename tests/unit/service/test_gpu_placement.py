@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rendezvous.gpus import GpuInfo
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo
-from service.models import JobRecord, JobSpec
+from service.api.models import JobRecord, JobSpec
 from service.scheduler import ClusterView, plan
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

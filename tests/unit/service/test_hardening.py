@@ -14,12 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from rendezvous.client import Delete, Put
 from rendezvous.election import NotLeaderError
 from rendezvous.errors import EtcdError, EtcdNoSpaceError, EtcdUnavailableError
+from rendezvous.etcd import Delete, Put
 from rendezvous.keys import Keys
-from service.metrics import CoordinatorMetrics
-from service.models import (
+from service.api.models import (
     MAX_COMMAND_BYTES,
     MAX_ENV_BYTES,
     MAX_SPEC_BYTES,
@@ -31,7 +30,9 @@ from service.models import (
     ScaleRequest,
     check_storable,
 )
-from service.reconciler import _is_job_error
+from service.coordinator.metrics import CoordinatorMetrics
+from service.coordinator.reconciler import _is_job_error
+from service.coordinator.store import MAX_TXN_BYTES, MAX_TXN_OPS, job_ops, split_ops
 from service.scheduler import (
     MAX_NAMES_IN_MESSAGE,
     abandon,
@@ -39,7 +40,6 @@ from service.scheduler import (
     note_write_failure,
     plan,
 )
-from service.store import MAX_TXN_BYTES, MAX_TXN_OPS, job_ops, split_ops
 from tests.unit.service.sim import Sim, apply, make_job, make_node
 
 KEYS = Keys("/t")

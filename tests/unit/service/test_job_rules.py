@@ -1,5 +1,5 @@
-"""The API's job rules as plain functions (service.jobs_api): what a scale, a cancel and a
-submit change in a record, and what they refuse."""
+"""The API's job rules as plain functions (service.coordinator.routes.jobs): what a scale,
+a cancel and a submit change in a record, and what they refuse."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.api_common import ApiError
-from service.jobs_api import new_record, request_cancel, rescale
-from service.models import EventReason, JobPhase, JobSpec, ScaleRequest
-from service.store import ConflictError
+from service.api.models import EventReason, JobPhase, JobSpec, ScaleRequest
+from service.coordinator.routes.common import ApiError
+from service.coordinator.routes.jobs import new_record, request_cancel, rescale
+from service.coordinator.store import ConflictError
 from tests.unit.service.sim import make_job
 
 

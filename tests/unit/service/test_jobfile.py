@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.jobfile import JobFileError, job_fields
-from service.models import JobSpec
+from service.api.models import JobSpec
+from service.cli.jobfile import JobFileError, job_fields
 
 FULL = """\
 name: train

@@ -1,5 +1,5 @@
 """The coordinator's side of one node's log stream, against real HTTP servers on
-loopback: the node's agent (agent.logserve) and an impostor that took its address."""
+loopback: the node's agent (agent.node.logserve) and an impostor that took its address."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.logserve import LogServer
+from agent.node.logserve import LogServer
 from rendezvous.registry import LogEndpoint, NodeInfo
-from service.logs import _Pump
+from service.coordinator.routes.logs import _Pump
 
 JOB = "train-0123abcd"
 TOKEN = "k" * 32

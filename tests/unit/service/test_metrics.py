@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rendezvous.records import JobNodeState
-from service.metrics import ClusterCollector, CoordinatorMetrics
-from service.store import Snapshot
+from service.coordinator.metrics import ClusterCollector, CoordinatorMetrics
+from service.coordinator.store import Snapshot
 from tests.unit.service.sim import Sim, make_job, make_node
 
 

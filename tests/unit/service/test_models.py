@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from service.models import (
+from service.api.models import (
     TRANSITIONS,
     IllegalTransitionError,
     JobPhase,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from service.metrics import ClusterCollector
-from service.store import Snapshot
+from service.coordinator.metrics import ClusterCollector
+from service.coordinator.store import Snapshot
 from tests.unit.service.sim import make_job
 from tests.unit.service.test_queues_scheduler import two_teams
 from tests.unit.service.test_scheduler import running

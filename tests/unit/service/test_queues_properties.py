@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from rendezvous.records import JobNodeState
-from service.models import JobPhase, JobRecord
+from service.api.models import JobPhase, JobRecord
 from service.scheduler import ClusterView, Decision, Policy
-from service.scheduler_types import job_order as _order
+from service.scheduler.types import job_order as _order
 from tests.unit.service.sim import Sim, Work, Workload, make_job, make_node
 from tests.unit.service.test_scheduler_properties import check_pass
 

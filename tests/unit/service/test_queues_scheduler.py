@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from rendezvous.records import JobNodeState
-from service.models import EventReason, JobPhase
+from service.api.models import EventReason, JobPhase
 from service.scheduler import Policy
 from tests.unit.service.sim import Sim, make_job
 from tests.unit.service.test_scheduler import cluster, condition, running

@@ -1,4 +1,5 @@
-"""Which way each node's membership change went (agent.live), as the job's events tell it.
+"""Which way each node's membership change went (agent.runner.live_decide), as the job's
+events tell it.
 
 A runner counts the path its membership changes took in its status
 (``resize_paths``: live or restart, per assignment generation); the scheduler
@@ -12,9 +13,9 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from rendezvous.records import JobNodeState, JobNodeStatus
-from service.job_reports import resize_rises
-from service.models import EventReason, JobPhase, SeenResizes
+from service.api.models import EventReason, JobPhase, SeenResizes
 from service.scheduler import plan
+from service.scheduler.reports import resize_rises
 from tests.unit.service.sim import Sim, make_job, make_node
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rendezvous.records import RUNNER_RANK, JobNodeState, JobNodeStatus, WorkerError
-from service.job_reports import restart_charges
-from service.models import ChargedRestarts, EventReason, JobPhase
+from service.api.models import ChargedRestarts, EventReason, JobPhase
+from service.coordinator.views import job_view
 from service.scheduler import plan
-from service.views import job_view
+from service.scheduler.reports import restart_charges
 from tests.unit.service.sim import Sim, make_job, make_node
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)

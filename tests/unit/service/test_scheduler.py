@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 
 from rendezvous.records import JobNodeState, WorkerError
-from service.models import EventReason, ExitReason, JobPhase
+from service.api.models import EventReason, ExitReason, JobPhase
 from service.scheduler import ClusterView, plan
 from tests.unit.service.sim import Sim, make_job, make_node
 

@@ -17,7 +17,7 @@ reconcile pass as one more rule. After each pass it checks, for every job:
   ``finished_at`` and ``exit_reason`` set, and is never written again;
 * the same view gives the same plan;
 * a pass cut anywhere in a job's write (the leader dies between the
-  transactions of a split change, :func:`service.store.split_ops`) never makes
+  transactions of a split change, :func:`service.coordinator.store.split_ops`) never makes
   a later pass hand out a generation twice, and the next pass restores all of
   the above.
 
@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 
 from rendezvous.records import Assignment, JobNodeState, WorkerError
 from rendezvous.registry import NodeInfo
-from service.models import TRANSITIONS, JobPhase, JobRecord
+from service.api.models import TRANSITIONS, JobPhase, JobRecord
 from service.scheduler import ClusterView, JobChange, plan
 from tests.unit.service.sim import Sim, apply, make_job, make_node
 
@@ -299,7 +299,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reconcile_cut_short(self, data: st.DataObject) -> None:
         """A pass whose writes stop part-way: earlier jobs written, one in part, none after.
 
-        A job's change is written in the order of ``service.store.job_ops``:
+        A job's change is written in the order of ``service.coordinator.store.job_ops``:
         the events and the record, then the deletes, then the new assignments.
         """
         changes = self.sim.plan()

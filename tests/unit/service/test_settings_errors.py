@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner, Result
 from pydantic import ValidationError
 
-from rendezvous.settings import settings_error_message
-from service.cli import cli
-from service.settings import CoordinatorSettings
+from rendezvous.etcd.settings import settings_error_message
+from service.cli.main import cli
+from service.coordinator.settings import CoordinatorSettings
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 PASSWORD = "pw-SECRET-0123456789abcdef"

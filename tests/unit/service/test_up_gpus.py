@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.up import LocalCluster
+from service.up.cluster import LocalCluster
 
 
 def gpus_flag(cluster: LocalCluster, node_id: str, tmp_path: Path) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.up import RestartPolicy
+from service.up.cluster import RestartPolicy
 
 
 def test_first_restart_comes_after_the_base_delay() -> None:

@@ -1,4 +1,4 @@
-"""service.up_supervisor: the supervisor's pass over tidal up's children, with real processes."""
+"""service.up.supervisor: the supervisor's pass over tidal up's children, with real processes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from service.up_children import RestartPolicy, SupervisedChild
-from service.up_supervisor import Supervisor
+from service.up.children import RestartPolicy, SupervisedChild
+from service.up.supervisor import Supervisor
 from tests.support.wait import wait_for
 
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(600)"]

@@ -1,0 +1,134 @@
+"""The runner's decisions on the live path: can the group take it, is a resize or a leave done.
+
+For a planned membership change (a node joins, or leaves because it is drained,
+scaled down or reclaimed) the workers are healthy: instead of stopping them,
+the runner forms the next rendezvous round while they train, then tells them
+the new membership, and they re-form their process group at a step boundary.
+The files the runner and its workers exchange, and their formats, have one
+home: :mod:`checkpoints.protocol.live` (the notices ``live-resize.json`` and
+``live-leave.json``, each worker's ``live-<local_rank>.json``), which the
+runner reads and writes through. What the runner decides from them is here,
+as pure functions of the workers' answers, their liveness and the clock;
+:class:`agent.runner.elastic.TidalElasticAgent` acts on them. Whatever goes wrong
+falls back to the restart path, and the runner says which path it took and
+why (:mod:`agent.runner.status`: the causes are :data:`agent.runner_metrics.FALLBACK_CAUSES`).
+
+This module is the runner's; it imports no torch (nor does the files' home).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+
+from agent.runner_metrics import (
+    MEMBERSHIP_CHANGED,
+    NO_PEER_STAYS,
+    NOT_CAPABLE,
+    TIMEOUT,
+    WORKER_EXITED,
+)
+from checkpoints.protocol.live import LiveState, WorkerLive, read_worker_live
+
+# Outcomes that are not a fallback.
+WAITING = "waiting"
+DONE = "done"
+
+
+def read_workers(progress_dir: Path, local_ranks: Collection[int]) -> dict[int, WorkerLive]:
+    """The answers of this node's workers, by local rank (missing or malformed ones left out)."""
+    found = {}
+    for local_rank in local_ranks:
+        worker = read_worker_live(progress_dir, local_rank)
+        if worker is not None:
+            found[local_rank] = worker
+    return found
+
+
+def blocker(
+    workers: Mapping[int, WorkerLive], local_ranks: Collection[int], alive: Callable[[int], bool]
+) -> str | None:
+    """Why this node's group cannot take the live path now; None if it can.
+
+    It can when every local worker announced the live path (``ready``, or
+    ``resized`` into an earlier round) from a process that still runs: a script
+    that does not use the library, or one still starting, has no file.
+    """
+    if not local_ranks:
+        return NOT_CAPABLE
+    for local_rank in local_ranks:
+        worker = workers.get(local_rank)
+        if worker is None or worker.state not in (LiveState.READY, LiveState.RESIZED) or (
+            not alive(worker.pid)
+        ):
+            return NOT_CAPABLE
+    return None
+
+
+def resize_outcome(
+    workers: Mapping[int, WorkerLive], local_ranks: Collection[int], round_: int, *,
+    exited: bool, superseded: bool, now: float, deadline: float,
+) -> str:
+    """Where a live resize into ``round_`` stands on this node.
+
+    Args:
+        workers: the workers' answers, by local rank.
+        local_ranks: this node's workers.
+        round_: the round the runner told them.
+        exited: a worker process of the group is gone.
+        superseded: the round is obsolete already (a member lost, or the
+            others went on without this node).
+        now / deadline: the runner's clock and when it gives up.
+
+    Returns:
+        :data:`DONE` once every worker says ``resized`` into ``round_`` (or
+        later), :data:`WAITING` while it may still come, else the fallback
+        cause: ``worker_exited``, ``membership_changed`` or ``timeout``.
+    """
+    if local_ranks and all(
+        (w := workers.get(lr)) is not None and w.state == LiveState.RESIZED and w.round >= round_
+        for lr in local_ranks
+    ):
+        return DONE
+    if exited:
+        return WORKER_EXITED
+    if superseded:
+        return MEMBERSHIP_CHANGED
+    if now >= deadline:
+        return TIMEOUT
+    return WAITING
+
+
+def leave_outcome(
+    workers: Mapping[int, WorkerLive], pids: Mapping[int, int], alive: Callable[[int], bool],
+    *, peers_stay: bool, now: float, deadline: float,
+) -> str:
+    """Where a planned leave stands: the runner waits for its workers to exit.
+
+    Args:
+        workers: the workers' answers, by local rank.
+        pids: the worker processes the runner started, by local rank.
+        alive: whether a process id still runs.
+        peers_stay: another member of the round stays (one that neither left
+            nor announced a leave): someone the workers can resize with.
+        now / deadline: the runner's clock and when it gives up.
+
+    Returns:
+        :data:`DONE` once every worker exited having said ``left``,
+        :data:`WAITING` while they train on, ``worker_exited`` when one
+        exited without leaving (it failed: the others will not resize the
+        live way), ``no_peer_stays`` when no worker left yet and every other
+        member leaves too (a cancel: nobody will resize), ``timeout`` past
+        ``deadline``.
+    """
+    gone = {lr for lr, pid in pids.items() if not alive(pid)}
+    left = {lr for lr, w in workers.items() if w.state == LiveState.LEFT}
+    if gone - left:
+        return WORKER_EXITED
+    if pids and gone == set(pids):
+        return DONE
+    if not peers_stay and not left:
+        return NO_PEER_STAYS
+    if now >= deadline:
+        return TIMEOUT
+    return WAITING

@@ -1,0 +1,97 @@
+"""Re-forming the process group on the live path: leave the old group, join the new round's.
+
+:func:`rejoin` destroys this process's groups and initializes the default
+group the runner's notice describes, with the old group's backend and timeout
+(:func:`group_timeout`). The caller (the checkpointer) has drained every
+collective in flight; the state sync that follows is
+:mod:`checkpoints.live.sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import time
+
+import torch.distributed as dist
+
+from checkpoints.errors import LiveResizeError
+from checkpoints.protocol.live import ResizeNotice
+
+__all__ = ["group_timeout", "rejoin"]
+
+log = logging.getLogger("checkpoints.live")  # the name it always logged under
+
+#: The new group's timeout when the old one's cannot be read.
+_DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The default group's timeout (the script's choice), to give the new group the same."""
+    with contextlib.suppress(Exception):  # private API: any failure means "unknown"
+        group = dist.distributed_c10d._get_default_group()
+        for device in group._device_types:
+            timeout = group._get_backend(device).options._timeout
+            if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+                return timeout
+    return _DEFAULT_GROUP_TIMEOUT
+
+
+def rejoin(notice: ResizeNotice, *, local_rank: int) -> tuple[int, int]:
+    """Leave the current process group and join the one ``notice`` describes.
+
+    Destroys every process group of this process (the default one and the
+    subgroups), initializes the new default group with the same backend and
+    timeout, and exports the new RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    (and GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE) for code
+    that reads the environment later. The caller must have drained every
+    collective in flight.
+
+    Returns:
+        (new rank, new world size).
+
+    Raises:
+        LiveResizeError: when the notice has no rank for ``local_rank``.
+        RuntimeError, DistError: when the new group does not form in time.
+    """
+    rank = notice.ranks.get(local_rank)
+    if rank is None:
+        raise LiveResizeError(
+            f"the round {notice.round} notice gives local rank {local_rank} no rank "
+            f"(it names {sorted(notice.ranks)})"
+        )
+    backend = dist.get_backend()
+    timeout = group_timeout()
+    dist.destroy_process_group()
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(notice.world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(notice.world_size),
+        "MASTER_ADDR": notice.master_addr,
+        "MASTER_PORT": str(notice.master_port),
+    }
+    if notice.group_rank is not None:
+        env["GROUP_RANK"] = str(notice.group_rank)
+    if notice.group_world_size is not None:
+        env["GROUP_WORLD_SIZE"] = str(notice.group_world_size)
+    os.environ.update(env)
+    started = time.monotonic()
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{_host(notice.master_addr)}:{notice.master_port}",
+        rank=rank,
+        world_size=notice.world_size,
+        timeout=timeout,
+    )
+    log.info(
+        "joined round %d as rank %d of %d in %.2f s",
+        notice.round, rank, notice.world_size, time.monotonic() - started,
+    )
+    return rank, notice.world_size
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -1,0 +1,324 @@
+"""A c10d ``Store`` kept in etcd (:class:`EtcdV3Store`), and how the rendezvous
+code rides out an etcd outage: the round stores of the agents' rendezvous
+(rendezvous.elastic.assigned) and the store of the torchrun plugin (rendezvous.elastic.etcd_v3).
+
+Every key is written under a lease (``key_ttl``, two hours by default), so an
+abandoned store's keys disappear by themselves.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from torch.distributed import DistStoreError, Store  # type: ignore[attr-defined]
+
+from rendezvous.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
+from rendezvous.etcd import Compare, EtcdClient, Get, KeyValue, Put
+
+log = logging.getLogger("rendezvous.elastic.etcd_v3")
+T = TypeVar("T")
+
+DEFAULT_KEY_TTL_S = 7200
+# How long a call keeps retrying while etcd is unreachable before it gives up.
+# torch's agent calls the backend from its monitor loop and dies on the first
+# error, which would turn an etcd restart into a lost job on every node.
+DEFAULT_OUTAGE_GRACE_S = 60.0
+
+
+def ride_out_outage(
+    what: str,
+    call: Callable[[float | None], T],
+    grace_s: float,
+    *,
+    call_timeout_s: float | None = None,
+) -> T:
+    """Run ``call(timeout_s)``; while etcd is unreachable, retry with backoff for ``grace_s``.
+
+    Only for calls that are safe to send again after an expired deadline (a
+    timed-out write may have been applied): each caller says why its call is.
+
+    Args:
+        what: what the call does, for log lines.
+        call: the call; it gets the deadline of the attempt (None: the client's).
+        grace_s: how long to keep retrying while etcd does not answer.
+        call_timeout_s: the first attempt's deadline; each retry gets twice the
+            previous one (the client caps it at its own timeout). A member that
+            swallows packets costs one short deadline, after which the client
+            has quarantined it and the retry goes to another member; an etcd
+            that is merely slow still gets through on a later attempt.
+
+    Raises:
+        EtcdUnavailableError: etcd stayed unreachable for ``grace_s`` seconds.
+        EtcdError: any other etcd error, at once.
+    """
+    deadline = time.monotonic() + grace_s
+    delay = 0.1
+    timeout = call_timeout_s
+    while True:
+        try:
+            return call(timeout)
+        except EtcdUnavailableError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("etcd unreachable during %s (%s); retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            timeout = None if timeout is None else timeout * 2
+
+
+class LeaseCache:
+    """Hands out a lease for key TTLs, granting a new one when half its TTL is used.
+
+    One lease per process (not per key) keeps the number of leases small;
+    rewriting a key with a newer lease extends its life.
+    """
+
+    def __init__(self, client: EtcdClient, ttl_s: int) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._lease_id = 0
+        self._granted_at = 0.0
+
+    def get(self, timeout_s: float | None = None) -> int:
+        """The lease to write under; ``timeout_s`` bounds a grant, if one is due.
+
+        A grant that timed out and is retried may leave a lease nobody uses:
+        it holds no key and expires after its TTL, so retrying is harmless.
+        """
+        with self._lock:
+            now = time.monotonic()
+            if not self._lease_id or now - self._granted_at > self._ttl_s / 2:
+                self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
+                self._granted_at = now
+            return self._lease_id
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._lease_id = 0
+
+    def with_lease(self, write: Callable[[int], Any], timeout_s: float | None = None) -> Any:
+        """Run ``write(lease_id)``; on a vanished lease, grant a new one and retry once."""
+        try:
+            return write(self.get(timeout_s))
+        except LeaseExpiredError:
+            self.invalidate()
+            return write(self.get(timeout_s))
+
+
+class EtcdV3Store(Store):
+    """A c10d ``Store`` kept in etcd under one prefix.
+
+    Values are stored as raw bytes; keys as given, under ``prefix``. Blocking
+    reads (``get``, ``wait``, ``multi_get``) wait on an etcd watch, not by
+    polling, until the keys exist or the store's timeout passes, and then
+    raise ``torch.distributed.DistStoreError`` as TCPStore does.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        *,
+        key_ttl_s: int = DEFAULT_KEY_TTL_S,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        outage_grace_s: float = DEFAULT_OUTAGE_GRACE_S,
+    ) -> None:
+        super().__init__()  # required by the pybind trampoline
+        if not prefix.endswith("/"):
+            raise ValueError(f"store prefix {prefix!r} must end with '/'")
+        self._client = client
+        self._grace_s = outage_grace_s
+        self._prefix = prefix
+        self._leases = LeaseCache(client, key_ttl_s)
+        self.set_timeout(timeout)
+
+    def _key(self, key: str | bytes) -> str:
+        text = key.decode() if isinstance(key, bytes) else str(key)
+        return self._prefix + text
+
+    @staticmethod
+    def _bytes(value: str | bytes | Sequence[int]) -> bytes:
+        if isinstance(value, bytes):
+            return value
+        if isinstance(value, str):
+            return value.encode()
+        return bytes(value)
+
+    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        # The store keeps the client's full timeout: it is used while a round
+        # forms, not for liveness. Its retries are safe for reads, set and
+        # multi_set (the same values again), delete_key and compare_set (a
+        # resent swap finds the desired value and returns it). An add whose
+        # deadline expired but was applied is counted twice by the retry loop
+        # in :meth:`add`; telling our own write from another's needs a marker
+        # written with it.
+        try:
+            return ride_out_outage(what, lambda _timeout_s: call(), self._grace_s)
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: {what} failed: {exc}") from exc
+
+    # writes ----------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        data = self._bytes(value)
+        self._call(
+            f"set {key}",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.put(self._key(key), data, lease=lease)
+            ),
+        )
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        puts = [(self._key(k), self._bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._call(
+            "multi_set",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.txn(
+                    [], success=[Put(k, v, lease=lease) for k, v in puts]
+                )
+            ),
+        )
+
+    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        """Atomically add ``amount`` to the decimal integer at ``key`` (0 if absent)."""
+        full = self._key(key)
+        while True:
+            kv: KeyValue | None = self._call(f"add {key}", lambda: self._client.get(full))
+            current = int(kv.value) if kv is not None else 0
+            new = str(current + amount).encode()
+            expected = kv.mod_revision if kv is not None else 0
+            guard = Compare(full, "mod", "==", expected)
+
+            def write(lease: int, guard: Compare = guard, new: bytes = new) -> Any:
+                return self._client.txn([guard], success=[Put(full, new, lease=lease)])
+
+            result = self._call(f"add {key}", lambda: self._leases.with_lease(write))
+            if result.succeeded:
+                return current + amount
+
+    def compare_set(  # type: ignore[override]
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """TCPStore's semantics: swap if the value equals ``expected_value``.
+
+        An absent key counts as matching an empty ``expected_value``. Returns
+        the value the key holds afterwards (or ``expected_value`` when the key
+        is absent and ``expected_value`` is not empty, as TCPStore does).
+        """
+        full = self._key(key)
+        expected = self._bytes(expected_value)
+        desired = self._bytes(desired_value)
+        guard = (
+            Compare(full, "create", "==", 0)
+            if not expected
+            else Compare(full, "value", "==", expected)
+        )
+        result = self._call(
+            f"compare_set {key}",
+            lambda: self._leases.with_lease(
+                lambda lease: self._client.txn(
+                    [guard], success=[Put(full, desired, lease=lease)], failure=[Get(full)]
+                )
+            ),
+        )
+        if result.succeeded:
+            return desired
+        current = result.gets[0]
+        return current[0].value if current else expected
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        return bool(self._call(f"delete {key}", lambda: self._client.delete(self._key(key))))
+
+    # reads -----------------------------------------------------------------
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        return int(self._call("num_keys", lambda: self._client.count_prefix(self._prefix)))
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        found, _ = self._read(keys)
+        return len(found) == len(keys)
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        return self._wait_get([key], None)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        return self._wait_get(keys, None)
+
+    def wait(  # type: ignore[override]
+        self, keys: list[str], timeout: datetime.timedelta | None = None
+    ) -> None:
+        self._wait_get(keys, timeout)
+
+    def _read(self, keys: Sequence[str]) -> tuple[dict[str, bytes], int]:
+        """One consistent read of ``keys``: what exists, and the revision read at."""
+        fulls = [self._key(k) for k in keys]
+        result = self._call("read", lambda: self._client.txn([], success=[Get(f) for f in fulls]))
+        found = {kvs[0].key: kvs[0].value for kvs in result.gets if kvs}
+        return found, result.revision
+
+    def _wait_get(
+        self, keys: Sequence[str], timeout: datetime.timedelta | None
+    ) -> list[bytes]:
+        store_timeout: datetime.timedelta = self.timeout  # type: ignore[attr-defined]
+        limit = (timeout if timeout is not None else store_timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        fulls = [self._key(k) for k in keys]
+        while True:
+            try:
+                found, revision = self._read(keys)
+                if len(found) == len(fulls):
+                    return [found[f] for f in fulls]
+                self._watch_until(set(fulls) - set(found), revision + 1, deadline)
+            except DistStoreError as exc:
+                # etcd briefly unavailable: keep trying until the deadline.
+                if not isinstance(exc.__cause__, EtcdUnavailableError):
+                    raise
+                time.sleep(0.1)
+            if time.monotonic() >= deadline:
+                found, _ = self._read(keys)
+                if len(found) == len(fulls):
+                    return [found[f] for f in fulls]
+                missing = sorted(k for k, f in zip(keys, fulls, strict=True) if f not in found)
+                raise DistStoreError(
+                    f"etcd-v3 store: timed out after {limit:g} s waiting for keys {missing}"
+                )
+
+    def _watch_until(
+        self, missing: builtins.set[str], start_revision: int, deadline: float
+    ) -> None:
+        """Block until every key in ``missing`` is put, or the deadline passes."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            stream = self._client.watch(self._prefix, prefix=True, start_revision=start_revision)
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
+        timer = threading.Timer(remaining, stream.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            for batch in stream:
+                for event in batch.events:
+                    if event.kind == "put":
+                        missing.discard(event.key)
+                if not missing:
+                    return
+        except EtcdError as exc:
+            raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
+        finally:
+            timer.cancel()
+            stream.cancel()
+
+
+__all__ = ["DEFAULT_KEY_TTL_S", "DEFAULT_OUTAGE_GRACE_S", "EtcdV3Store", "LeaseCache",
+           "ride_out_outage"]
