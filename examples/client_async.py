@@ -19,7 +19,7 @@ import asyncio
 import sys
 
 from service.api.models import JobView
-from service.client.sync import AsyncClient, TidalError, exit_code
+from service.client import AsyncClient, TidalError, exit_code
 
 HELLO = ["python", "-c", "print('hello, value {}')"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.client.sync import Client, TidalError
+from service.client import Client, TidalError
 
 HELLO = ["python", "-c", "import os; print('hello from rank', os.environ['RANK'], 'of', "
          "os.environ['WORLD_SIZE'])"]

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from service.up.cluster import ClusterError, LocalCluster
+from service.up import ClusterError, LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 CHARLM = REPO / "examples" / "charlm.py"

@@ -1,15 +1,20 @@
 """Everything in tidal that talks to etcd.
 
-``rendezvous.etcd`` (the client factory and facade), ``rendezvous.keys`` (the
-key layout), ``rendezvous.etcd.server`` (an embedded etcd), the node registry,
-leases, watches and leader election are importable without torch: the
-coordinator and the agent daemon use them and must stay light. So are the
-contracts both sides of a job share: ``records``, ``worker_env``,
-``progress_file``, ``live_files`` and ``assigned_rounds``. Only the torch
-rendezvous implementations import torch: ``torch_backend`` (the etcd-v3 backend
-for torch.distributed.elastic), ``assigned`` (the agents' rendezvous handler, with
-``assigned_join``, its own join record) and ``etcd_store`` (the c10d store in
-etcd); ``tests/unit/rendezvous/test_no_torch.py`` checks the rest.
+* :mod:`rendezvous.etcd`: the etcd client (factory, facade, watch stream), its
+  settings and credentials (``etcd.settings``, ``etcd.auth``) and an embedded
+  etcd server (``etcd.server``);
+* :mod:`rendezvous.elastic`: everything torch.distributed.elastic calls: the
+  agents' rendezvous handler (``elastic.assigned``, with ``assigned_join``, its
+  own join record, and ``assigned_rounds``, the pure round decisions), the torchrun
+  ``etcd-v3`` backend (``elastic.etcd_v3``), their c10d store (``elastic.store``)
+  and peer liveness (``elastic.liveness``);
+* at the root, what both the coordinator and the agents use: the key layout
+  (``keys``), the records in etcd (``records``), leases, watches, leader election,
+  the node registry, GPU records, errors, and the process supervisor (``child``).
+
+Only ``elastic.etcd_v3``, ``elastic.assigned``, ``elastic.assigned_join`` and
+``elastic.store`` import torch; the coordinator and the agent daemon import the
+rest and stay light (``tests/unit/rendezvous/test_no_torch.py`` checks it).
 """
 
 from rendezvous.errors import (

@@ -15,7 +15,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from rendezvous.keys import InvalidIdentifierError, validate_id
-from service.client.sync import Client, TidalError, UnauthorizedError
+from service.client import Client, TidalError, UnauthorizedError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

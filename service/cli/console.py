@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from service.api.models import JobPhase, JobView
-from service.client.sync import ApiError, Client
+from service.client import ApiError, Client
 
 #: A plain progress line is printed at most this often (unless the world size changed).
 PLAIN_EVERY_S = 10.0

@@ -24,14 +24,14 @@ import click
 from service.api.models import JobEvent, JobPhase, JobView
 from service.cli.console import FollowConsole, LogStreamer, StepRate, progress_of
 from service.cli.views import error_lines, event_line
-from service.client.calls import OUTAGE_TOLERANCE_S, POLL_INTERVAL_S
-from service.client.sync import (
+from service.client import (
     EXIT_INTERRUPTED,
     PHASE_EXIT,
     ApiError,
     Client,
     WaitTimeoutError,
 )
+from service.client.calls import OUTAGE_TOLERANCE_S, POLL_INTERVAL_S
 
 # Seconds a follower waits, once the job ended, for the last of its logs.
 LOGS_DRAIN_S = 30.0

@@ -74,7 +74,7 @@ from service.cli.nodes import NODE_COMMANDS
 from service.cli.output import age, dump_json, table
 from service.cli.output import clock as _clock
 from service.cli.views import bounds, next_steps, status_text
-from service.client.sync import (
+from service.client import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     InvalidSpecError,

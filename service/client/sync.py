@@ -1,35 +1,7 @@
-"""tidal's Python client: drive a cluster from code, as the ``tidal`` command does.
+"""The blocking client, :class:`Client`; the package :mod:`service.client` is its face.
 
-::
-
-    from service.client.sync import Client
-
-    with Client() as tidal:  # TIDAL_URL / TIDAL_TOKEN, else the cluster `tidal up` started
-        job = tidal.submit(name="train", command=["python", "train.py"], max_nodes=4)
-        for line in tidal.logs(job.job_id, follow=True):
-            print(line)
-        done = tidal.wait(job.job_id, check=True)  # raises JobFailedError if it failed
-
-:class:`Client` has one method per thing a user does (submit, get, list,
-wait, logs, events, scale, cancel, drain, undrain, nodes, and the queues:
-queues, create_queue, update_queue, delete_queue) and answers with the API's own
-pydantic models (:class:`~service.api.models.JobView`, :class:`~service.api.models.EventList`,
-:class:`~service.api.models.NodeView`, :class:`~service.api.queues.QueueList`).
-:class:`AsyncClient` is its twin for asyncio: the same methods, awaited (its
-``logs`` is an async iterator).
-
-Every failure is one of :mod:`service.client.errors`, never a transport exception:
-:class:`RefusedError` (and its subclasses :class:`NotFoundError`,
-:class:`ConflictError`, ...) when the coordinator said no,
-:class:`UnavailableError` when it could not be reached or failed,
-:class:`NotConfiguredError` when no coordinator is configured. Each carries
-the exit code the ``tidal`` command line exits with for it.
-
-Both clients share what a call is (:class:`service.client.calls.Call`: method,
-path, body, the model of its answer) and how an answer or a transport failure becomes a result
-or an error (:class:`service.client.base.ClientBase`); they differ only in how they send.
-:class:`AsyncClient` lives in :mod:`service.client.aio` and is imported from here. This
-module never imports torch or the agent.
+It re-exports the names a user imports (the async twin, the errors, the
+cluster file's target), so that ``from service.client import ...`` is one import.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 from rendezvous.etcd import EtcdConfig, create_client
 from rendezvous.etcd.server import EtcdServer
 from rendezvous.registry import NodeInfo
-from service.client.sync import Client
+from service.client import Client
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import TOKEN, CoordinatorProcess, coordinator_and_agents, job_view
 from tests.support.processes import ProcessGroupRegistry

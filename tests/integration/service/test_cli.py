@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rendezvous.etcd.server import EtcdServer
-from service.client.sync import TargetError, resolve_target
+from service.client import TargetError, resolve_target
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import wait_for_url
 from tests.support.processes import ProcessGroupRegistry

@@ -21,7 +21,7 @@ import pytest
 
 from rendezvous.etcd.server import EtcdServer
 from service.api.models import JobPhase
-from service.client.sync import (
+from service.client import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
     EXIT_TIMEOUT,

@@ -18,7 +18,7 @@ import pytest
 from rendezvous.etcd import EtcdClient
 from rendezvous.etcd.server import EtcdServer
 from rendezvous.registry import NodeInfo, NodeRegistration, NodeRegistry
-from service.client.sync import AsyncClient, Client, ConflictError, ForbiddenError, NotFoundError
+from service.client import AsyncClient, Client, ConflictError, ForbiddenError, NotFoundError
 from tests.support.coordinator import TOKEN, CoordinatorProcess, job_spec
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for

@@ -17,8 +17,7 @@ import pytest
 
 from service.api.models import JobPhase, JobView
 from service.cli.common import cli_error
-from service.client.errors import api_error
-from service.client.sync import (
+from service.client import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
     EXIT_NOT_CONFIGURED,
@@ -48,6 +47,7 @@ from service.client.sync import (
     check_outcome,
     exit_code,
 )
+from service.client.errors import api_error
 
 URL = "http://coordinator.test"
 

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 
 from service.api.models import JobList
+from service.client import AsyncClient, Client
 from service.client.calls import Pager
-from service.client.sync import AsyncClient, Client
 from tests.unit.service.test_client import URL
 from tests.unit.service.test_client import _view as view
 
