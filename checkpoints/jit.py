@@ -38,8 +38,8 @@ A half-written candidate has no final name and is never seen; a mixed one
 cannot exist, since every file comes from one process. Restore epochs fence
 out late writers (:class:`storage.Fence`).
 
-**Telling the runner.** While saving, the rank keeps
-``<TIDAL_PROGRESS_DIR>/saving-rank-<RANK>.json`` up to date (bytes written,
+**Telling the runner** (the files are :mod:`checkpoints.protocol.jit`). While saving,
+the rank keeps ``<TIDAL_PROGRESS_DIR>/saving-rank-<RANK>.json`` up to date (bytes written,
 every 0.1 s): the runner waits for a worker stuck in a failed collective only
 while that file shows progress, up to a bound (:func:`keep_waiting`).
 
@@ -52,15 +52,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
-import dataclasses
-import json
 import logging
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -71,7 +69,21 @@ import torch.distributed as dist
 from checkpoints.errors import CheckpointError
 from checkpoints.files import CheckpointFileWriter
 from checkpoints.protocol import env as worker_env
-from checkpoints.protocol.live import read_small
+from checkpoints.protocol.jit import (
+    ARMED,
+    DONE,
+    FAILED,
+    NOTICE_NAME,
+    SAVING,
+    SKIPPED,
+    SavingReport,
+    clear_reports,
+    keep_waiting,
+    read_reports,
+    report_path,
+    write_notice,
+    write_report,
+)
 from checkpoints.state import write_replicated
 from checkpoints.storage import CheckpointStore, jit_name
 
@@ -91,9 +103,6 @@ log = logging.getLogger(__name__)
 
 #: Set to "0" in a worker's environment to turn just-in-time saves off (benchmarks).
 JIT_ENV = worker_env.JIT_SAVE
-#: The runner's notice that a peer is gone (in the progress directory).
-NOTICE_NAME = "peer-lost"
-_REPORT = re.compile(r"^saving-rank-(\d+)\.json$")
 _POLL_S = 0.05
 _BEAT_S = 0.1
 _FAILURE_TEXT = re.compile(
@@ -101,11 +110,6 @@ _FAILURE_TEXT = re.compile(
     r"|processgroup|collective|socket",
     re.IGNORECASE,
 )
-
-# A report's states: armed (will save on a notice), saving, done, skipped, failed.
-ARMED, SAVING, DONE, SKIPPED, FAILED = "armed", "saving", "done", "skipped", "failed"
-_FINISHED = frozenset({DONE, SKIPPED, FAILED})
-
 
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a collective that failed: a dead or lost peer."""
@@ -120,126 +124,6 @@ def is_collective_failure(exc: BaseException) -> bool:
         ):
             return True
         current = current.__cause__ or current.__context__
-    return False
-
-
-@dataclasses.dataclass(frozen=True)
-class SavingReport:
-    """What a rank tells its runner about its just-in-time save (one JSON file per rank)."""
-
-    rank: int
-    pid: int
-    state: str  # armed, saving, done, skipped, failed
-    step: int = -1
-    bytes: int = 0
-    time: float = 0.0  # time.time() of this report
-    detail: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.state in _FINISHED
-
-
-def _report_path(directory: Path, rank: int) -> Path:
-    return directory / f"saving-rank-{rank}.json"
-
-
-def write_report(directory: Path, report: SavingReport) -> None:
-    """Replace the rank's report (temporary file renamed over it; never raises)."""
-    path = _report_path(directory, report.rank)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
-        temp.write_text(json.dumps(dataclasses.asdict(report)))
-        os.replace(temp, path)
-
-
-def read_reports(directory: Path) -> dict[int, SavingReport]:
-    """Every rank's report in ``directory``, by rank (unreadable ones skipped).
-
-    The runner reads them from a directory its workers write: only regular
-    files of a few KiB, never through a symlink nor from a FIFO.
-    """
-    found: dict[int, SavingReport] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if not _REPORT.match(entry.name):
-                continue
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                data = read_small(entry.path)
-                if data is None:
-                    continue
-                body = json.loads(data)
-                report = SavingReport(
-                    rank=int(body["rank"]), pid=int(body["pid"]), state=str(body["state"]),
-                    step=int(body["step"]), bytes=int(body["bytes"]), time=float(body["time"]),
-                    detail=str(body.get("detail", ""))[:500],
-                )
-                found[report.rank] = report
-    return found
-
-
-def write_notice(directory: Path, reason: str) -> None:
-    """The runner: tell this node's workers that a peer is gone (they save, then are stopped)."""
-    temp = directory / f".{NOTICE_NAME}.{os.getpid()}.tmp"
-    with contextlib.suppress(OSError):
-        # The directory is the workers': never write through a name they may have planted.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"reason": reason, "time": time.time()}))
-        os.replace(temp, directory / NOTICE_NAME)
-
-
-def clear_reports(directory: Path) -> None:
-    """The runner, before a new group starts: remove the notice and every saving report."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if entry.name == NOTICE_NAME or _REPORT.match(entry.name):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-
-
-def keep_waiting(
-    reports: Mapping[int, SavingReport],
-    *,
-    now: float,
-    noticed_at: float,
-    progress_at: Mapping[int, float],
-    alive: Callable[[int], bool],
-    ack_s: float,
-    stall_s: float,
-    max_s: float,
-) -> bool:
-    """Whether the runner should go on waiting for its workers' just-in-time saves.
-
-    Args:
-        reports: the workers' reports, by rank.
-        now: the runner's clock (``time.monotonic()``).
-        noticed_at: when the runner wrote its notice.
-        progress_at: for each rank, when its report last changed (``bytes`` or
-            ``state``), on the same clock.
-        alive: whether a process id is still running.
-        ack_s: how long an armed worker has to start its save after the notice.
-        stall_s: a save that shows no progress this long is given up on.
-        max_s: the bound on the whole wait.
-
-    Waits only for live processes: an armed one within ``ack_s`` of the
-    notice, a saving one while it progressed within ``stall_s``; never past
-    ``max_s``. A worker that does not use the checkpoints library has no
-    report and costs nothing; one that hangs stops progressing and costs at
-    most ``stall_s`` (``ack_s`` if it never starts).
-    """
-    if now - noticed_at >= max_s:
-        return False
-    for rank, report in reports.items():
-        if report.finished or not alive(report.pid):
-            continue
-        if report.state == ARMED and now - noticed_at < ack_s:
-            return True
-        if report.state == SAVING and now - progress_at.get(rank, noticed_at) < stall_s:
-            return True
     return False
 
 
@@ -325,7 +209,7 @@ class JustInTimeSaver:
             sys.excepthook = self._previous_hook or sys.__excepthook__
         if self._progress_dir is not None and not self._started:
             with contextlib.suppress(OSError):
-                _report_path(self._progress_dir, self._rank).unlink()
+                report_path(self._progress_dir, self._rank).unlink()
 
     def _finish_in_flight(self) -> None:
         if self._started:

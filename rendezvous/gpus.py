@@ -8,9 +8,9 @@ only healthy GPUs as capacity (:func:`gpus_free`), and the agent gives a job
 only healthy devices (``agent.gpu.devices``). ``fault`` says why a GPU is out, in
 words an operator reads in ``tidal nodes``.
 
-The workers of a job see their devices through :data:`VISIBLE_DEVICES`, with
-CUDA's numbering made the same as NVML's by :data:`DEVICE_ORDER`
-(:func:`device_env`), so a script that uses ``cuda:LOCAL_RANK`` runs on the
+The workers of a job see their devices through ``CUDA_VISIBLE_DEVICES``, with
+CUDA's numbering made the same as NVML's by ``CUDA_DEVICE_ORDER``
+(:func:`checkpoints.protocol.env.device_env`), so a script that uses ``cuda:LOCAL_RANK`` runs on the
 job's own devices unchanged.
 """
 
@@ -24,10 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: Most GPUs one node may describe.
 MAX_GPUS = 1024
-#: The variable that names a job's devices to CUDA (and to the workers).
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-#: CUDA numbers devices fastest first unless told to follow the PCI bus, as NVML does.
-DEVICE_ORDER = "CUDA_DEVICE_ORDER"
 
 _TEXT_RE = re.compile(r"^[\x20-\x7e]*$")
 
@@ -108,14 +104,3 @@ def gpus_free(
     """
     asked = sum(per_node[node_id].gpus_per_node for per_node in placed if node_id in per_node)
     return node.healthy_gpus - asked
-
-
-def device_env(devices: Sequence[int] | None) -> dict[str, str]:
-    """The environment that gives a job's workers ``devices`` and no others.
-
-    ``None``: the node has no GPUs; nothing is set. An empty list (a job that
-    asked for no GPUs on a GPU node) hides every device.
-    """
-    if devices is None:
-        return {}
-    return {VISIBLE_DEVICES: ",".join(str(i) for i in devices), DEVICE_ORDER: "PCI_BUS_ID"}

@@ -22,8 +22,6 @@ on :class:`~rendezvous.watch.PrefixWatcher`.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import re
 import socket
@@ -47,6 +45,7 @@ from rendezvous.etcd import Compare, EtcdClient, Get, Put, WatchEvent
 from rendezvous.gpus import MAX_GPUS, GpuInfo, check_indices
 from rendezvous.keys import Keys, validate_id
 from rendezvous.lease import LeaseKeeper
+from rendezvous.node_logs import log_proof
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
@@ -85,14 +84,6 @@ class LogEndpoint(BaseModel):
         return log_proof(self.token, nonce)
 
 
-#: The headers of the log route's proof (:meth:`LogEndpoint.proof`).
-NONCE_HEADER = "X-Tidal-Nonce"
-PROOF_HEADER = "X-Tidal-Proof"
-
-
-def log_proof(token: str, nonce: str) -> str:
-    """HMAC-SHA256 of ``nonce`` keyed with the log route's ``token``, in hex."""
-    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
 
 
 class NodeInfo(BaseModel):

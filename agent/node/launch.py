@@ -34,6 +34,7 @@ from agent.workers.logcap import open_private_log
 from agent.workers.user import ENV_WORKER_USER
 from agent.workers.zygote import TITLE_ROOM
 from checkpoints.protocol import env as worker_env
+from rendezvous.etcd.settings import ETCD_PASSWORD
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def runner_env(settings: AgentSettings, job_id: str | None) -> dict[str, str]:
     if job_id is not None:
         env[worker_env.JOB_ID] = job_id
     if settings.etcd_password is not None:
-        env[worker_env.ETCD_PASSWORD] = settings.etcd_password.get_secret_value()
+        env[ETCD_PASSWORD] = settings.etcd_password.get_secret_value()
     if settings.worker_user is not None:
         env[ENV_WORKER_USER] = settings.worker_user
     return env

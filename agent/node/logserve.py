@@ -53,11 +53,16 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from agent import rundir
-from rendezvous.keys import InvalidIdentifierError, validate_id
-from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, log_proof
+from rendezvous.keys import InvalidIdentifierError
+from rendezvous.node_logs import (
+    NONCE_HEADER,
+    PROOF_HEADER,
+    BadRequestError,
+    log_proof,
+    parse_log_query,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +75,6 @@ MAX_LINE_BYTES = 64 * 1024
 POLL_S = 0.25
 #: Seconds of silence after which a follower gets a heartbeat.
 HEARTBEAT_S = 5.0
-MAX_TAIL = 1_000_000
-MAX_RANK = 65535
-_PREFIX = "/v1/jobs/"
-_SUFFIX = "/logs"
 
 
 def new_token() -> str:
@@ -277,61 +278,6 @@ def stream_job_logs(
 
 
 # the server ----------------------------------------------------------------------------
-
-
-class BadRequestError(ValueError):
-    """A query the route does not accept; the message names the parameter."""
-
-
-@dataclass(frozen=True)
-class LogQuery:
-    """The route's parameters, checked."""
-
-    job_id: str
-    rank: int | None = None
-    tail: int | None = None
-    follow: bool = False
-    after_generation: int = 0
-
-
-def _int_param(params: dict[str, list[str]], name: str, low: int, high: int) -> int | None:
-    values = params.get(name)
-    if not values:
-        return None
-    text = values[-1]
-    if not (text.isdigit() or (text.startswith("-") and text[1:].isdigit())) or len(text) > 12:
-        raise BadRequestError(f"{name} must be an integer")
-    value = int(text)
-    if not low <= value <= high:
-        raise BadRequestError(f"{name} ({value}) must be between {low} and {high}")
-    return value
-
-
-def parse_log_query(target: str) -> LogQuery | None:
-    """The route's parameters from a request target; None when the path is not the route.
-
-    Raises:
-        BadRequestError: a parameter is malformed or out of range.
-        InvalidIdentifierError: the job id is not a valid id.
-    """
-    parts = urlsplit(target)
-    path = parts.path
-    if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
-        return None
-    job_id = path[len(_PREFIX):-len(_SUFFIX)]
-    if "/" in job_id:
-        return None
-    params = parse_qs(parts.query, keep_blank_values=True)
-    follow = params.get("follow", ["0"])[-1].lower()
-    if follow not in ("0", "1", "true", "false"):
-        raise BadRequestError("follow must be 0, 1, true or false")
-    return LogQuery(
-        job_id=validate_id(job_id, what="job id"),
-        rank=_int_param(params, "rank", 0, MAX_RANK),
-        tail=_int_param(params, "tail", 0, MAX_TAIL),
-        follow=follow in ("1", "true"),
-        after_generation=_int_param(params, "after_generation", 0, 2**62) or 0,
-    )
 
 
 class LogServer:

@@ -43,6 +43,7 @@ from agent.workers.user import ENV_WORKER_USER, pin_worker_user
 from agent.workers.zygote import ENV_SOCKET, ENV_SWITCH, ZygoteProcess
 from checkpoints.protocol import env as worker_env
 from checkpoints.protocol.progress import is_report_name
+from rendezvous.etcd.settings import ETCD_PASSWORD
 
 if TYPE_CHECKING:
     from agent.spec import RunnerSpec
@@ -55,7 +56,7 @@ def prepare_environment(spec: RunnerSpec) -> Path:
             or reached through a symlink (:mod:`agent.workers.jobpaths`).
     """
     from agent.runner.netif import socket_interface_env
-    from rendezvous.gpus import device_env
+    from checkpoints.protocol.env import device_env
 
     job = spec.assignment
     progress_dir = rundir.progress_dir(spec.job_dir)
@@ -129,7 +130,7 @@ def take_password() -> str | None:
 
     It comes through the environment, never the spec file (JSON, on disk).
     """
-    return os.environ.pop(worker_env.ETCD_PASSWORD, None)
+    return os.environ.pop(ETCD_PASSWORD, None)
 
 
 def load_spec(path: Path, password: str | None) -> RunnerSpec:

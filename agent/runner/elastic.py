@@ -65,7 +65,7 @@ from agent.runner_metrics import RESTART, RUNNER_METRICS_FILE
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.workers.logcap import LogCap
 from agent.workers.zygote import ZygoteProcess
-from checkpoints.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
+from checkpoints.protocol.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
 from checkpoints.protocol.live import clear_live_files
 from rendezvous.elastic.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
 from rendezvous.elastic.assigned_rounds import WAITING, Change

@@ -12,14 +12,13 @@ A job's own ``env`` may not set any name starting with :data:`RESERVED_PREFIX`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 RESERVED_PREFIX = "TIDAL_"
 
 # Set by the daemon for the runner (and inherited by the workers).
 JOB_ID = "TIDAL_JOB_ID"
 NODE_ID = "TIDAL_NODE_ID"
-#: The etcd password of the agent's user; the runner takes it out of its
-#: environment before starting any worker.
-ETCD_PASSWORD = "TIDAL_ETCD_PASSWORD"  # noqa: S105 (a variable's name, not a secret)
 #: The unprivileged user the workers run as (agent.workers.user).
 WORKER_USER = "TIDAL_WORKER_USER"
 
@@ -43,3 +42,20 @@ ZYGOTE = "TIDAL_ZYGOTE"
 ZYGOTE_PRELOAD = "TIDAL_ZYGOTE_PRELOAD"
 #: The zygote's unix socket, for the worker shim.
 ZYGOTE_SOCKET = "TIDAL_ZYGOTE_SOCKET"
+
+# Set by the runner for the workers of a job on a GPU node.
+#: The variable that names a job's devices to CUDA (and to the workers).
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+#: CUDA numbers devices fastest first unless told to follow the PCI bus, as NVML does.
+DEVICE_ORDER = "CUDA_DEVICE_ORDER"
+
+
+def device_env(devices: Sequence[int] | None) -> dict[str, str]:
+    """The environment that gives a job's workers ``devices`` and no others.
+
+    ``None``: the node has no GPUs; nothing is set. An empty list (a job that
+    asked for no GPUs on a GPU node) hides every device.
+    """
+    if devices is None:
+        return {}
+    return {VISIBLE_DEVICES: ",".join(str(i) for i in devices), DEVICE_ORDER: "PCI_BUS_ID"}

@@ -58,7 +58,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from checkpoints.protocol import env as worker_env
 from rendezvous.elastic.store import (
     DEFAULT_KEY_TTL_S,
     DEFAULT_OUTAGE_GRACE_S,
@@ -75,6 +74,7 @@ from rendezvous.etcd import (
     Put,
     create_client,
 )
+from rendezvous.etcd.settings import ETCD_PASSWORD
 from rendezvous.keys import DEFAULT_ROOT, Keys, validate_id
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def _etcd_config(params: RendezvousParameters) -> EtcdConfig:
     endpoints = [e.strip() for e in (params.endpoint or "").split(",") if e.strip()]
     if not endpoints:
         raise ValueError("etcd-v3 rendezvous: --rdzv-endpoint must name an etcd HOST:PORT")
-    password = os.environ.get(worker_env.ETCD_PASSWORD)
+    password = os.environ.get(ETCD_PASSWORD)
     return EtcdConfig(
         endpoints=endpoints,
         timeout_s=float(params.get("etcd_timeout", DEFAULT_ETCD_TIMEOUT_S)),

@@ -20,6 +20,10 @@ from pydantic_settings import BaseSettings, NoDecode
 from rendezvous.etcd import EtcdConfig
 from rendezvous.keys import DEFAULT_ROOT
 
+#: The etcd password of the agent's user; the runner takes it out of its
+#: environment before starting any worker.
+ETCD_PASSWORD = "TIDAL_ETCD_PASSWORD"  # noqa: S105 (a variable's name, not a secret)
+
 
 class EtcdSettings(BaseSettings):
     """How a process reaches etcd: ``TIDAL_ETCD_ENDPOINTS`` (comma-separated or

@@ -43,8 +43,9 @@ from fastapi.params import Depends
 from fastapi.responses import StreamingResponse
 
 from rendezvous.keys import ID_PATTERN
+from rendezvous.node_logs import MAX_TAIL, NONCE_HEADER, PROOF_HEADER, LogQuery
 from rendezvous.records import JobNodeStatus
-from rendezvous.registry import NONCE_HEADER, PROOF_HEADER, NodeInfo
+from rendezvous.registry import NodeInfo
 from service.api.models import JobEvent, JobRecord
 from service.coordinator.store import JobNotFoundError, JobStore
 
@@ -58,7 +59,6 @@ AGENT_READ_TIMEOUT_S = 30.0
 KEEPALIVE_S = 15.0
 #: How often a follow looks at the job's record for its end and new nodes.
 CHECK_S = 1.0
-MAX_TAIL = 1_000_000
 _QUEUE_SIZE = 1024
 
 
@@ -145,14 +145,11 @@ class _Pump:
             self.put(tidal_line(f"node {node_id} does not serve logs (its agent is older "
                                 "than the coordinator?)"))
             return
-        params: dict[str, str | int] = {"follow": "1" if self.follow else "0",
-                                        "after_generation": self.after_generation}
-        if self.rank is not None:
-            params["rank"] = self.rank
-        if self.tail is not None:
-            params["tail"] = self.tail
+        query = LogQuery(job_id=self.job_id, rank=self.rank, tail=self.tail,
+                         follow=self.follow, after_generation=self.after_generation)
+        params = query.params()
         timeout = httpx.Timeout(AGENT_READ_TIMEOUT_S, connect=AGENT_CONNECT_TIMEOUT_S)
-        url = f"{endpoint.url}/v1/jobs/{self.job_id}/logs"
+        url = f"{endpoint.url}{query.path()}"
         nonce = secrets.token_urlsafe(24)
         ended = False
         try:

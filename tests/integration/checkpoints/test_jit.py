@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints.jit import read_reports, write_notice
+from checkpoints.protocol.jit import read_reports, write_notice
 from checkpoints.storage import CheckpointStore
 from tests.integration.checkpoints.ckpt_worker import worker_argv, worker_env
 from tests.integration.checkpoints.test_sigterm import completed_steps, resume_step, wait_exit

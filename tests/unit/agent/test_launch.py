@@ -13,6 +13,7 @@ from agent.node.warm_policy import WARM_REFILL_DELAY_S, WARM_RETRY_S, WarmTimer
 from agent.spec import RunnerSpec
 from agent.workers.user import ENV_WORKER_USER
 from checkpoints.protocol import env as worker_env
+from rendezvous.etcd.settings import ETCD_PASSWORD
 from rendezvous.records import Assignment
 
 
@@ -41,10 +42,10 @@ def test_the_runner_is_marked_as_the_nodes_and_the_jobs_and_gets_the_password(
     env = runner_env(settings(tmp_path, etcd_password="pw", worker_user="nobody"), "j")
     assert env[worker_env.NODE_ID] == "n1"
     assert env[worker_env.JOB_ID] == "j"
-    assert env[worker_env.ETCD_PASSWORD] == "pw"
+    assert env[ETCD_PASSWORD] == "pw"
     assert env[ENV_WORKER_USER] == "nobody"
     warm = runner_env(settings(tmp_path), None)
-    assert worker_env.JOB_ID not in warm and worker_env.ETCD_PASSWORD not in warm
+    assert worker_env.JOB_ID not in warm and ETCD_PASSWORD not in warm
 
 
 def waiting_process(tmp_path: Path) -> _Warm:

@@ -16,15 +16,15 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.gpu_metrics import GpuCollector
-from agent.gpus import GpuReading, GpuSnapshot
-from agent.metrics import AgentMetrics, JobStatusCollector
+from agent.gpu.metrics import GpuCollector
+from agent.gpu.nvml import GpuReading, GpuSnapshot
+from agent.node.metrics import AgentMetrics, JobStatusCollector
 from agent.rundir import generation_dir
 from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.gpus import GpuInfo
 from rendezvous.records import JobNodeState, JobNodeStatus, WorkerError
-from service.metrics import ClusterCollector, CoordinatorMetrics
-from service.store import Snapshot
+from service.coordinator.metrics import ClusterCollector, CoordinatorMetrics
+from service.coordinator.store import Snapshot
 from tests.unit.agent.fakes import FakeEtcd
 from tests.unit.service.sim import Sim, make_job, make_node
 

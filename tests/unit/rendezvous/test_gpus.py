@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rendezvous.gpus import GpuInfo, device_env, gpus_free
+from checkpoints.protocol.env import device_env
+from rendezvous.gpus import GpuInfo, gpus_free
 from rendezvous.records import Assignment
 from rendezvous.registry import NodeInfo
 

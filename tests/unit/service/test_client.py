@@ -41,12 +41,12 @@ from service.client import (
     TidalError,
     UnauthorizedError,
     UnavailableError,
-    Waiter,
     WaitTimeoutError,
     build_spec,
     check_outcome,
     exit_code,
 )
+from service.client.calls import Waiter
 from service.client.errors import api_error
 
 URL = "http://coordinator.test"
