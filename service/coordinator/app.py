@@ -34,8 +34,8 @@ from service.coordinator.routes.access import QueueScope, Tokens
 from service.coordinator.routes.common import (
     ERRORS,
     UNAUTHORIZED,
-    ApiError,
     BodyLimit,
+    HttpError,
     TokenCheck,
     error_response,
     install_error_handlers,
@@ -104,7 +104,7 @@ def create_app(
 
     def authenticate(authorization: Annotated[str | None, Header()] = None) -> None:
         if not token_ok(authorization):
-            raise ApiError(401, UNAUTHORIZED)
+            raise HttpError(401, UNAUTHORIZED)
 
     Auth = Depends(authenticate)
 

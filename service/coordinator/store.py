@@ -49,7 +49,7 @@ class JobNotFoundError(LookupError):
     """No job has this id."""
 
 
-class ConflictError(RuntimeError):
+class StateConflictError(RuntimeError):
     """The change is not allowed in the job's current state (HTTP 409)."""
 
 
@@ -156,7 +156,7 @@ class JobStore:
         """Store a new job and its first event.
 
         Raises:
-            ConflictError: a job with this id exists.
+            StateConflictError: a job with this id exists.
         """
         key = self.keys.job(record.job_id)
         result = self.client.txn(
@@ -164,7 +164,7 @@ class JobStore:
             [Put(key, record.model_dump_json().encode()), self._event_put(record.job_id, event)],
         )
         if not result.succeeded:
-            raise ConflictError(f"a job with id {record.job_id} exists")
+            raise StateConflictError(f"a job with id {record.job_id} exists")
 
     def get(self, job_id: str) -> tuple[JobRecord, int]:
         """The job's record and its mod revision.
@@ -191,14 +191,14 @@ class JobStore:
         Args:
             job_id: the job.
             mutate: changes the record in place and returns the events to append;
-                may raise :class:`ConflictError` to refuse.
+                may raise :class:`StateConflictError` to refuse.
 
         Returns:
             The record as written.
 
         Raises:
             JobNotFoundError: no such job.
-            ConflictError: ``mutate`` refused, or the record kept changing.
+            StateConflictError: ``mutate`` refused, or the record kept changing.
         """
         for _ in range(MAX_CAS_ATTEMPTS):
             record, revision = self.get(job_id)
@@ -208,7 +208,7 @@ class JobStore:
             ops += [self._event_put(job_id, e) for e in events]
             if self.client.txn([Compare(key, "mod", "==", revision)], ops).succeeded:
                 return record
-        raise ConflictError(f"job {job_id} kept changing; try again")
+        raise StateConflictError(f"job {job_id} kept changing; try again")
 
     def events(self, job_id: str) -> list[JobEvent]:
         kvs, _ = self.client.get_prefix(self.keys.job_events_prefix(job_id))

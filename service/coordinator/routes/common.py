@@ -25,7 +25,7 @@ from rendezvous.errors import EtcdError, EtcdNoSpaceError
 from rendezvous.keys import ID_PATTERN, InvalidIdentifierError
 from service.api.models import ErrorBody
 from service.coordinator.metrics import CoordinatorMetrics
-from service.coordinator.store import ConflictError, JobNotFoundError
+from service.coordinator.store import JobNotFoundError, StateConflictError
 
 log = logging.getLogger("service.coordinator.app")
 
@@ -153,7 +153,12 @@ def safe_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-class ApiError(Exception):
+class HttpError(Exception):
+    """A route's refusal, answered as ``{"detail": message}`` with ``status``.
+
+    The coordinator's side; the client's twin is :class:`service.client.errors.ApiError`.
+    """
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -167,14 +172,14 @@ def confine(root: Path, relative: str | None, *, field: str) -> str | None:
     the root is caught too.
 
     Raises:
-        ApiError: 422 naming ``field``.
+        HttpError: 422 naming ``field``.
     """
     if relative is None:
         return None
     base = Path(os.path.realpath(root))
     target = Path(os.path.realpath(base / relative))
     if target != base and base not in target.parents:
-        raise ApiError(422, f"{field} ({relative!r}) resolves outside the allowed root")
+        raise HttpError(422, f"{field} ({relative!r}) resolves outside the allowed root")
     return str(target)
 
 
@@ -184,8 +189,8 @@ def install_error_handlers(app: FastAPI, metrics: CoordinatorMetrics) -> None:
     """Every error as ``{"error": ..., "detail": [...]}``, with the status the module
     docstring of :mod:`service.coordinator.app` lists; request counts and latency to ``metrics``."""
 
-    @app.exception_handler(ApiError)
-    async def _apierror_response(_: Request, exc: ApiError) -> JSONResponse:
+    @app.exception_handler(HttpError)
+    async def _apierror_response(_: Request, exc: HttpError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return error_response(exc.status, exc.message, headers=headers)
 
@@ -215,8 +220,8 @@ def install_error_handlers(app: FastAPI, metrics: CoordinatorMetrics) -> None:
     async def _not_found(_: Request, exc: JobNotFoundError) -> JSONResponse:
         return error_response(404, str(exc))
 
-    @app.exception_handler(ConflictError)
-    async def _conflict(_: Request, exc: ConflictError) -> JSONResponse:
+    @app.exception_handler(StateConflictError)
+    async def _conflict(_: Request, exc: StateConflictError) -> JSONResponse:
         return error_response(409, str(exc))
 
     @app.exception_handler(InvalidIdentifierError)

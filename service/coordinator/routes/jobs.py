@@ -3,7 +3,7 @@
 
 The rules of a change live in plain functions (:func:`new_record`, :func:`rescale`,
 :func:`request_cancel`), which the routes apply inside the store's compare-and-swap
-update; they raise :class:`ConflictError` (409) or :class:`ApiError` and are unit
+update; they raise :class:`StateConflictError` (409) or :class:`HttpError` and are unit
 tested without a server.
 """
 
@@ -31,9 +31,9 @@ from service.api.models import (
     new_job_id,
 )
 from service.coordinator.routes.access import principal_of
-from service.coordinator.routes.common import ApiError, JobId, NodeId, confine
+from service.coordinator.routes.common import HttpError, JobId, NodeId, confine
 from service.coordinator.routes.queues import QueueStore
-from service.coordinator.store import ConflictError, JobStore, decode_cursor, encode_cursor
+from service.coordinator.store import JobStore, StateConflictError, decode_cursor, encode_cursor
 from service.coordinator.views import job_view, node_views
 
 # the rules ------------------------------------------------------------------------------
@@ -44,13 +44,13 @@ def new_record(spec: JobSpec, *, workdir_root: Path, checkpoint_root: Path
     """A submitted job's record and its first event.
 
     Raises:
-        ApiError: 422, the spec cannot be stored in etcd, or a directory
+        HttpError: 422, the spec cannot be stored in etcd, or a directory
             resolves outside its root.
     """
     try:
         check_storable(spec)
     except ValueError as exc:
-        raise ApiError(422, f"invalid request: {exc}") from exc
+        raise HttpError(422, f"invalid request: {exc}") from exc
     record = JobRecord(
         job_id=new_job_id(spec.name),
         spec=spec,
@@ -67,21 +67,21 @@ def rescale(record: JobRecord, change: ScaleRequest) -> list[JobEvent]:
     """Apply new bounds to ``record``; the event to write (none if nothing changed).
 
     Raises:
-        ConflictError: the job has ended or is being cancelled.
-        ApiError: 422, the new bounds are invalid (min over max, out of range).
+        StateConflictError: the job has ended or is being cancelled.
+        HttpError: 422, the new bounds are invalid (min over max, out of range).
     """
     job_id = record.job_id
     if record.phase.is_terminal():
-        raise ConflictError(f"job {job_id} is {record.phase.value}; it cannot be scaled")
+        raise StateConflictError(f"job {job_id} is {record.phase.value}; it cannot be scaled")
     if record.cancel_requested:
-        raise ConflictError(f"job {job_id} is being cancelled; it cannot be scaled")
+        raise StateConflictError(f"job {job_id} is being cancelled; it cannot be scaled")
     spec = record.spec
     new_min = change.min_nodes if change.min_nodes is not None else spec.min_nodes
     new_max = change.max_nodes if change.max_nodes is not None else spec.max_nodes
     try:
         check_bounds(new_min, new_max)
     except ValueError as exc:
-        raise ApiError(422, str(exc)) from exc
+        raise HttpError(422, str(exc)) from exc
     if (new_min, new_max) == (spec.min_nodes, spec.max_nodes):
         return []
     record.spec = spec.model_copy(update={"min_nodes": new_min, "max_nodes": new_max})
@@ -96,10 +96,10 @@ def request_cancel(record: JobRecord) -> list[JobEvent]:
     """Mark ``record`` for cancelling (the scheduler stops its nodes).
 
     Raises:
-        ConflictError: the job has already ended.
+        StateConflictError: the job has already ended.
     """
     if record.phase.is_terminal():
-        raise ConflictError(f"job {record.job_id} is already {record.phase.value}")
+        raise StateConflictError(f"job {record.job_id} is already {record.phase.value}")
     record.cancel_requested = True
     return []
 
@@ -123,7 +123,7 @@ def jobs_router(
         """Submit a job; it starts once its minimum number of nodes is free."""
         principal_of(request).check_queue(spec.queue)
         if not queues.exists(spec.queue):
-            raise ApiError(422, f"invalid request: queue: queue {spec.queue} does not exist")
+            raise HttpError(422, f"invalid request: queue: queue {spec.queue} does not exist")
         record, event = new_record(spec, workdir_root=workdir_root,
                                    checkpoint_root=checkpoint_root)
         store.create(record, event)
@@ -143,7 +143,7 @@ def jobs_router(
             try:
                 after = decode_cursor(cursor)
             except ValueError as exc:
-                raise ApiError(422, f"cursor: {exc}") from exc
+                raise HttpError(422, f"cursor: {exc}") from exc
         records = sorted(store.list_jobs(), key=lambda r: (r.created_at.isoformat(), r.job_id))
         principal = principal_of(request)  # a queue token sees its queues' jobs only
         records = [r for r in records if principal.may_use(r.spec.queue)]
@@ -193,11 +193,11 @@ def nodes_router(*, store: JobStore, on_change: Callable[[], None]) -> APIRouter
         for node in node_views(store.snapshot()):
             if node.node_id == node_id:
                 return node
-        raise ApiError(404, f"node {node_id} is not registered")
+        raise HttpError(404, f"node {node_id} is not registered")
 
     def set_drain(node_id: str, on: bool) -> NodeView:
         if store.nodes().get(node_id) is None:
-            raise ApiError(404, f"node {node_id} is not registered")
+            raise HttpError(404, f"node {node_id} is not registered")
         store.set_drain(node_id, on)
         on_change()
         return one_node(node_id)

@@ -37,7 +37,12 @@ from service.api.queues import (
     with_default,
 )
 from service.coordinator.routes.access import principal_of, require_admin
-from service.coordinator.store import MAX_CAS_ATTEMPTS, ConflictError, JobNotFoundError, JobStore
+from service.coordinator.store import (
+    MAX_CAS_ATTEMPTS,
+    JobNotFoundError,
+    JobStore,
+    StateConflictError,
+)
 from service.scheduler import ClusterView, view_usage
 
 QueueNameParam = Annotated[str, PathParam(pattern=QUEUE_PATTERN, description="A queue's name.")]
@@ -77,13 +82,13 @@ class QueueStore:
         return name == DEFAULT_QUEUE or self.client.get(self.keys.queue(name)) is not None
 
     def create(self, spec: QueueSpec) -> None:
-        """Raises ConflictError: a queue of this name exists."""
+        """Raises StateConflictError: a queue of this name exists."""
         key = self.keys.queue(spec.name)
         exists = spec.name == DEFAULT_QUEUE  # the implicit one: PATCH it instead
         if exists or not self.client.txn(
             [Compare(key, "version", "==", 0)], [Put(key, spec.model_dump_json().encode())]
         ).succeeded:
-            raise ConflictError(f"queue {spec.name} exists")
+            raise StateConflictError(f"queue {spec.name} exists")
 
     def update(self, name: str, change: QueuePatch) -> QueueSpec:
         """Apply ``change`` with compare-and-set; ``default`` is stored on its first change.
@@ -91,7 +96,7 @@ class QueueStore:
         Raises:
             QueueNotFoundError: no such queue.
             ValueError: the result is invalid (a limit below the guarantee).
-            ConflictError: the queue kept changing.
+            StateConflictError: the queue kept changing.
         """
         key = self.keys.queue(name)
         for _ in range(MAX_CAS_ATTEMPTS):
@@ -103,7 +108,7 @@ class QueueStore:
                      else Compare(key, "version", "==", 0))
             if self.client.txn([guard], [Put(key, new.model_dump_json().encode())]).succeeded:
                 return new
-        raise ConflictError(f"queue {name} kept changing; try again")
+        raise StateConflictError(f"queue {name} kept changing; try again")
 
     def delete(self, name: str, revision: int) -> bool:
         key = self.keys.queue(name)
@@ -178,7 +183,7 @@ def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: Non
         """Delete a queue that no unfinished job uses (admin token); answers what it was."""
         require_admin(request, "delete queues")
         if name == DEFAULT_QUEUE:
-            raise ConflictError("the default queue cannot be deleted")
+            raise StateConflictError("the default queue cannot be deleted")
         spec, revision = queues.get(name)
         users = sorted(
             r.job_id for r in store.list_jobs()
@@ -186,9 +191,9 @@ def queue_router(*, store: JobStore, on_change: Callable[[], None] = lambda: Non
         )
         if users:
             shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
-            raise ConflictError(f"queue {name} has unfinished jobs: {shown}")
+            raise StateConflictError(f"queue {name} has unfinished jobs: {shown}")
         if not queues.delete(name, revision):
-            raise ConflictError(f"queue {name} changed meanwhile; try again")
+            raise StateConflictError(f"queue {name} changed meanwhile; try again")
         on_change()
         return queue_view(spec, None)
 

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.api.models import EventReason, JobPhase, JobSpec, ScaleRequest
-from service.coordinator.routes.common import ApiError
+from service.coordinator.routes.common import HttpError
 from service.coordinator.routes.jobs import new_record, request_cancel, rescale
-from service.coordinator.store import ConflictError
+from service.coordinator.store import StateConflictError
 from tests.unit.service.sim import make_job
 
 
@@ -35,16 +35,16 @@ def test_the_same_bounds_change_nothing() -> None:
 def test_an_ended_job_is_neither_scaled_nor_cancelled(phase: JobPhase) -> None:
     record = make_job("j")
     record.phase = phase
-    with pytest.raises(ConflictError, match=f"job j is {phase.value}; it cannot be scaled"):
+    with pytest.raises(StateConflictError, match=f"job j is {phase.value}; it cannot be scaled"):
         rescale(record, ScaleRequest(max_nodes=3))
-    with pytest.raises(ConflictError, match=f"already {phase.value}"):
+    with pytest.raises(StateConflictError, match=f"already {phase.value}"):
         request_cancel(record)
 
 
 def test_a_job_being_cancelled_is_not_scaled_and_a_cancel_is_recorded_once() -> None:
     record = make_job("j")
     assert request_cancel(record) == [] and record.cancel_requested
-    with pytest.raises(ConflictError, match="being cancelled"):
+    with pytest.raises(StateConflictError, match="being cancelled"):
         rescale(record, ScaleRequest(max_nodes=3))
 
 
@@ -60,7 +60,7 @@ def test_bounds_are_kept_valid_or_refused_with_422(
     want_max = new[1] if new[1] is not None else before.max_nodes
     try:
         rescale(record, ScaleRequest(min_nodes=new[0], max_nodes=new[1]))
-    except ApiError as exc:
+    except HttpError as exc:
         assert exc.status == 422 and want_min > want_max
         assert record.spec == before
         return
@@ -78,5 +78,5 @@ def test_a_submitted_job_gets_its_directories_under_the_roots_or_a_422(tmp_path:
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "out").symlink_to(tmp_path)
     escaping = spec.model_copy(update={"working_dir": "out/elsewhere"})
-    with pytest.raises(ApiError, match=r"working_dir .* resolves outside the allowed root"):
+    with pytest.raises(HttpError, match=r"working_dir .* resolves outside the allowed root"):
         new_record(escaping, workdir_root=tmp_path / "work", checkpoint_root=tmp_path / "ckpt")
