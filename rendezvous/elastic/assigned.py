@@ -352,10 +352,12 @@ class AssignedRendezvousHandler(RendezvousHandler):
             return
         if self._stopped.is_set():
             raise RendezvousClosedError("this rendezvous handler was closed")
-        self._server = LivenessServer(self._addr)
-        self._monitor = PeerMonitor(self._on_peer_lost)
+        # Thread names end in the node: the count benchmark adds up each member's CPU.
+        self._server = LivenessServer(self._addr, name=f"liveness-server {self._node}")
+        self._monitor = PeerMonitor(self._on_peer_lost, name=f"peer-monitor {self._node}")
         self._watcher = PrefixWatcher(
-            self._client, self._prefix, on_event=self._on_event, name=f"rendezvous {self._run_id}"
+            self._client, self._prefix, on_event=self._on_event,
+            name=f"rendezvous {self._run_id} {self._node}",
         ).start()
         if not self._watcher.wait_synced(self._join_timeout_s):
             raise RendezvousConnectionError(f"job {self._run_id}: cannot read the rendezvous")

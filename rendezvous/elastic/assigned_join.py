@@ -89,7 +89,8 @@ class JoinRecordKeeper:
     def start(self, member: Member) -> None:
         """Know this node as ``member`` and start putting the record back when its lease is lost."""
         self._member = member
-        self._thread = threading.Thread(target=self._keep, name="rdzv-record", daemon=True)
+        self._thread = threading.Thread(target=self._keep, name=f"rdzv-record {self._node}",
+                                        daemon=True)
         self._thread.start()
 
     @property

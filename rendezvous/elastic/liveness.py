@@ -70,7 +70,7 @@ class LivenessServer:
         addr: the address to listen on (the one peers reach this node at).
     """
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, *, name: str = "liveness-server") -> None:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,7 +84,7 @@ class LivenessServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="liveness-server", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -128,7 +128,8 @@ class PeerMonitor:
     """
 
     def __init__(
-        self, on_lost: Callable[[str], None], *, connect_timeout_s: float = 1.0
+        self, on_lost: Callable[[str], None], *, connect_timeout_s: float = 1.0,
+        name: str = "peer-monitor",
     ) -> None:
         self._on_lost = on_lost
         self._timeout = connect_timeout_s
@@ -137,7 +138,7 @@ class PeerMonitor:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peer-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, peers: dict[str, tuple[str, int]]) -> None:
