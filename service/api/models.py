@@ -185,6 +185,31 @@ class ResizePolicy(BaseModel):
         return out
 
 
+class StragglerPolicy(BaseModel):
+    """What the coordinator does about a node slower than the rest of its job.
+
+    A node is a straggler when its pace (the time its ranks spend computing a
+    step, not waiting for the others) is ``factor`` times the median of the
+    job's other nodes or more, as the median over the last ``window_steps``
+    steps: single spikes and noise do not count. ``evict`` drains it from the
+    job by the live path (never below ``min_nodes``: there it is reported
+    only); ``report`` only says so; ``off`` does not look.
+    (:mod:`service.scheduler.stragglers` decides.)
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    mode: Literal["off", "report", "evict"] = Field(
+        default="evict", description="off, report (events and metrics only) or evict.")
+    factor: float = Field(
+        default=1.3, ge=1.05, le=10.0,
+        description="How many times the median of the job's other nodes a node's step takes "
+        "before it is a straggler.")
+    window_steps: int = Field(
+        default=20, ge=3, le=1000,
+        description="Over how many recent steps the node's pace is compared (the median).")
+
+
 class JobSpec(BaseModel):
     """A training job as a user submits it.
 
@@ -226,6 +251,10 @@ class JobSpec(BaseModel):
                           description="Higher is scheduled first within the job's queue.")
     queue: QueueName = Field(default=DEFAULT_QUEUE, description="The queue the job runs in.")
     resize_policy: ResizePolicy | None = None
+    straggler_policy: StragglerPolicy = Field(
+        default_factory=StragglerPolicy,
+        description="What happens to a node that is persistently slower than the job's others.",
+    )
     grace_period_s: float = Field(
         default=30.0, gt=0, le=3600, description="SIGTERM to SIGKILL when a node leaves the job."
     )
@@ -474,6 +503,7 @@ class SpecView(BaseModel):
     priority: int
     queue: str = "default"
     resize_policy: ResizePolicy | None
+    straggler_policy: StragglerPolicy = Field(default_factory=StragglerPolicy)
     grace_period_s: float
 
     @classmethod
