@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,13 @@ class ProgressReporter(abc.ABC):
         Not abstract: a reporter that does not name the rank has nothing to change."""
         return None
 
+    def set_pace_source(self, source: Callable[[], Sequence[tuple[int, float]]] | None) -> None:
+        """Where the rank's recent paces come from (:meth:`checkpoints.pace.PaceMeter.recent`),
+        asked only when a report is written.
+
+        Not abstract: a reporter that does not report paces ignores it."""
+        return None
+
 
 class NullProgressReporter(ProgressReporter):
     """Reports nothing: the twin used outside tidal."""
@@ -167,6 +174,7 @@ class FileProgressReporter(ProgressReporter):
         self._error: str | None = None
         self._stop = False
         self._total_steps: int | None = None
+        self._paces: Callable[[], Sequence[tuple[int, float]]] | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -234,6 +242,10 @@ class FileProgressReporter(ProgressReporter):
             os.unlink(old)  # another local rank may take that name: it writes it again
         self.flush()
 
+    def set_pace_source(self, source: Callable[[], Sequence[tuple[int, float]]] | None) -> None:
+        """Report the paces ``source`` gives with every write from now on."""
+        self._paces = source
+
     def snapshot(self) -> dict[str, Any]:
         """The report as it would be written now (converts the loss)."""
         loss = self._loss
@@ -256,6 +268,7 @@ class FileProgressReporter(ProgressReporter):
             first_step=self._first_step,
             last_step_time=self._last_step_time,
             stall_seconds_total=round(self._stall_total, 6),
+            paces=tuple((s, round(p, 6)) for s, p in self._paces()) if self._paces else None,
         )
         body.update(self._checkpoint)
         return ProgressReport(**body).to_json()

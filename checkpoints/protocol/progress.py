@@ -48,6 +48,25 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: The most ``(step, pace)`` pairs a report may carry.
+MAX_PACES = 256
+
+
+def _paces(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """``[[step, seconds], ...]``; None unless every pair is well formed."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_PACES:
+        return None
+    pairs = []
+    for pair in value:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            return None
+        step, pace = _integer(pair[0]), _number(pair[1])
+        if step is None or pace is None or pace < 0:
+            return None
+        pairs.append((step, pace))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class ProgressReport:
     """One rank's report; every field may be missing (None)."""
@@ -73,6 +92,9 @@ class ProgressReport:
     first_step: int | None = None  # the first step this process completed
     last_step_time: float | None = None
     stall_seconds_total: float | None = None
+    #: The rank's own pace in recent steps, ``(step, seconds)`` oldest first: the
+    #: time it computed (first forward to last gradient), not waited (checkpoints.pace).
+    paces: tuple[tuple[int, float], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The file's JSON object."""
@@ -94,6 +116,8 @@ class ProgressReport:
                 values[spec.name] = raw is True
             elif spec.name == "last_save_error":
                 values[spec.name] = _text(raw)
+            elif spec.name == "paces":
+                values[spec.name] = _paces(raw)
             elif spec.type in ("int | None",):
                 values[spec.name] = _integer(raw)
             else:
