@@ -59,6 +59,9 @@ class ProgressSummary:
     last_stall_seconds: float | None = None
     save_failing: bool = False
     total_steps: int | None = None
+    #: The node's pace in its recent steps, ``(step, seconds)`` oldest first: at each
+    #: step, its slowest rank's (the one the others waited for); see :func:`node_paces`.
+    paces: tuple[tuple[int, float], ...] = ()
 
 
 #: The most of a progress file read: a report is a few hundred bytes.
@@ -162,6 +165,20 @@ def read_progress_reports(progress_dir: Path) -> list[ProgressReport]:
     return reports
 
 
+#: How many recent steps' paces a node reports (checkpoints.pace keeps 64 per rank).
+NODE_PACE_STEPS = 64
+
+
+def node_paces(reports: Iterable[ProgressReport]) -> tuple[tuple[int, float], ...]:
+    """The node's pace per step over its ranks' reports: at each step the slowest rank's,
+    only for steps every rank reported (the last :data:`NODE_PACE_STEPS` of them)."""
+    per_rank = [dict(r.paces) for r in reports if r.paces]
+    if not per_rank:
+        return ()
+    steps = sorted(set.intersection(*(set(p) for p in per_rank)))[-NODE_PACE_STEPS:]
+    return tuple((s, max(p[s] for p in per_rank)) for s in steps)
+
+
 def summarize_progress(reports: Iterable[ProgressReport]) -> ProgressSummary:
     """Fold rank reports into one :class:`ProgressSummary` (see there for the rules)."""
     every = list(reports)
@@ -194,6 +211,7 @@ def summarize_progress(reports: Iterable[ProgressReport]) -> ProgressSummary:
         save_failing=any(bool(r.last_save_error) for r in current),
         total_steps=max((t for r in current if (t := r.total_steps) is not None and t >= 0),
                         default=None),
+        paces=node_paces(current),
     )
 
 

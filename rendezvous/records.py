@@ -177,6 +177,10 @@ class JobNodeStatus(BaseModel):
     loss: float | None = None
     last_checkpoint_time: float | None = None
     total_steps: int | None = Field(default=None, ge=0)
+    # The node's own pace in its recent steps, [step, seconds] oldest first: at each step its
+    # slowest rank's time computing, not waiting (checkpoints.pace, agent.progress.node_paces).
+    # The coordinator compares the nodes of a job with it (service.scheduler.stragglers).
+    paces: list[tuple[int, float]] = Field(default_factory=list, max_length=64)
     # Seconds from the last failure or membership change this node noticed to
     # the first step of the workers it then started (agent.runner.status).
     last_recovery_seconds: float | None = Field(default=None, ge=0)

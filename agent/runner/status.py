@@ -240,7 +240,8 @@ class StatusReporter:
                             "samples_per_second": summary.samples_per_second,
                             "loss": summary.loss,
                             "last_checkpoint_time": summary.last_checkpoint_time,
-                            "total_steps": summary.total_steps}
+                            "total_steps": summary.total_steps,
+                            "paces": list(summary.paces) or None}
                 with self._lock:
                     changed = {k: v for k, v in progress.items() if v is not None}
                     self._status = self._status.model_copy(update=changed)

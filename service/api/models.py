@@ -206,8 +206,9 @@ class StragglerPolicy(BaseModel):
         description="How many times the median of the job's other nodes a node's step takes "
         "before it is a straggler.")
     window_steps: int = Field(
-        default=20, ge=3, le=1000,
-        description="Over how many recent steps the node's pace is compared (the median).")
+        default=20, ge=3, le=64,
+        description="Over how many recent steps the node's pace is compared (the median; "
+        "a node reports its last 64).")
 
 
 class JobSpec(BaseModel):
