@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoints import sharded as sharded_io
-from checkpoints.errors import CheckpointError
+from checkpoints.errors import CheckpointError, LiveResizeError
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
 from checkpoints.live import LiveState, Resize
 from checkpoints.live.resizing import LiveResizing
@@ -356,9 +356,17 @@ class Checkpointer(LiveResizing):
         time_due = self._time_due()
         resize_round = self._live.flag() if self._live is not None else 0
         if self._consensus is not None:
-            agreed_stop, agreed_time, resize_round = self._consensus.exchange(
-                [int(stop), int(time_due), resize_round]
-            )
+            try:
+                agreed_stop, agreed_time, resize_round = self._consensus.exchange(
+                    [int(stop), int(time_due), resize_round]
+                )
+            except Exception as exc:  # a member is lost: its reduction failed
+                if self._recover_in_place(exc) != step:
+                    raise LiveResizeError(
+                        f"rank {self.rank} completed step {step}, yet the survivors went on "
+                        f"from another step after a member was lost"
+                    ) from exc
+                agreed_stop, agreed_time, resize_round = int(self._stop.requested), 0, 0
             stop = bool(agreed_stop)
             if self._sharded:  # every rank must take part: decide on the agreed flag
                 time_due = bool(agreed_time)
@@ -372,6 +380,30 @@ class Checkpointer(LiveResizing):
                 self._prepare_buffers()
             return False
         return self._save(step, wait_for_previous=self._sharded, block=not self._async)
+
+    def recover(self, exc: BaseException) -> int:
+        """The step in flight raised ``exc``: recover in place if a member was lost.
+
+        Call it from the training loop's ``except`` around one step (forward,
+        backward, optimizer step). When ``exc`` is a failed collective and the
+        live resize is on (``on_resize``), the step is discarded (gradients
+        zeroed; the optimizer never stepped on partial gradients), the process
+        group re-forms around the survivors in the runner's next round, the
+        state syncs, ``on_resize`` is called (:class:`~checkpoints.live.Resize`
+        with ``lost=True``) to rebuild DDP and rewind the sampler, and the step
+        to go on from is returned: the step that failed, or the next one when
+        the other survivors had completed it. No checkpoint is read or written.
+
+        Returns:
+            The number of completed steps the state now holds.
+
+        Raises:
+            BaseException: ``exc`` again when it cannot be recovered in place
+                (no collective failure, no ``on_resize``, sharded state, or no
+                tidal runner): the restart path takes over as before.
+            LiveResizeError, CheckpointError, RuntimeError: when the recovery fails.
+        """
+        return self._recover_in_place(exc)
 
     def save(self, step: int) -> None:
         """Save now (waiting for a save in flight first); asynchronous if ``async_save``.

@@ -22,6 +22,14 @@ calls :meth:`Pipeline.rebuild`, which wraps the model in DDP again and
 restarts the sampler at the new rank and world size from the step reached (a
 joining worker receives the model, optimizer and RNG state from its peers in
 ``restore()``). That is why DDP is built after ``restore()``.
+A worker whose peer dies (its node is SIGKILLed) keeps its process with
+``--live-resize``: the failed step raises out of ``train_step``, the loop
+hands the exception to ``Checkpointer.recover``, which re-forms the group
+around the survivors and calls the same hook (``Resize.lost``), and the loop
+repeats the step from the step it returns. ``--hang-before-step K`` with
+``--hang-node NODE`` (fault injection for the tests) makes the workers of node
+NODE (``TIDAL_NODE_ID``) stop before step K's forward, after touching
+``--hang-file``: the others then wait in step K's gradient all-reduce.
 ``--stop-after-step K`` saves a checkpoint once K steps are complete and exits
 0; the next run resumes from it. ``--record PATH`` makes rank 0 write, at the
 end, a JSON file with the final parameters and the sample indices every rank
@@ -84,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="pause after each step (demos, tests)"
     )
+    parser.add_argument("--hang-before-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hang-node", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hang-file", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--live-resize", action="store_true",
         help="take planned resizes live: re-form the process group instead of restarting",
@@ -183,10 +194,23 @@ class Pipeline:
         )
 
     def on_resize(self, resize: ck.Resize) -> None:
-        """The checkpointer's hook: the group was re-formed, the state synced at ``resize.step``."""
-        log.info("resized from %d to %d ranks at step %d: now rank %d",
-                 resize.previous_world_size, resize.world_size, resize.step, resize.rank)
+        """The checkpointer's hook: the group was re-formed, the state synced at ``resize.step``
+        (after a member was lost: the step to repeat, the sampler rewinds to it)."""
+        log.info("resized from %d to %d ranks at step %d%s: now rank %d",
+                 resize.previous_world_size, resize.world_size, resize.step,
+                 " after a member was lost" if resize.lost else "", resize.rank)
         self.rebuild(rank=resize.rank, world_size=resize.world_size, step=resize.step)
+
+
+def maybe_hang(args: argparse.Namespace, step: int) -> None:
+    """Fault injection: this node's workers stop before ``--hang-before-step`` (until killed)."""
+    if args.hang_before_step != step or os.environ.get("TIDAL_NODE_ID") != args.hang_node:
+        return
+    if args.hang_file is not None:
+        args.hang_file.touch()
+    log.warning("hanging before step %d (fault injection)", step)
+    while True:
+        time.sleep(3600)
 
 
 def write_record(
@@ -259,8 +283,15 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
     taken: list[list[Any]] = []
     step = resume.step
     while step < end_step:
-        loss, samples = train_step(pipeline.ddp_model, pipeline.batches, pipeline.sampler.plan,
-                                   optimizer)
+        maybe_hang(args, step)
+        try:
+            loss, samples = train_step(pipeline.ddp_model, pipeline.batches,
+                                       pipeline.sampler.plan, optimizer)
+        except Exception as exc:
+            # A peer died during the step: with --live-resize the group re-forms
+            # around the survivors and the step is repeated (else this raises again).
+            step = ckpt.recover(exc)
+            continue
         scheduler.step()
         taken.append([step, pipeline.rank, samples])
         log.info("rank %d world_size %d step %d loss %.6f",

@@ -3,7 +3,7 @@
 The agent daemon starts one runner process per assigned job, so that one
 job's crash cannot take the daemon down. The runner drives torch's
 ``LocalElasticAgent`` on the etcd-v3 rendezvous (run id = job id) with four
-changes, in :class:`TidalElasticAgent`:
+changes, in :class:`TidalElasticAgent` (five, with the in-place recovery):
 
 * **membership changes are not failures.** torch charges every worker failure
   to the restart budget, and a dead peer makes the survivors' workers fail.
@@ -16,6 +16,11 @@ changes, in :class:`TidalElasticAgent`:
   node drains) the workers get SIGTERM, then SIGKILL after the grace period,
   and the runner leaves the rendezvous without closing it, so the other nodes
   go on without it; torch's launcher would close it for everyone;
+* **a lost member is recovered in place.** When a peer dies and every local
+  worker can take the live path, the survivors keep their processes: the
+  runner tells them at once (``live-lost.json``), forms the next round without
+  the dead member and tells them that round as for a planned change; they
+  discard the step in flight and re-form their group (:mod:`checkpoints.live`);
 * **planned changes are live.** When a node joins or announces that it
   leaves, and every local worker can take the live path (:mod:`agent.runner.live_decide`),
   the runner forms the next round while its workers train and tells them the
@@ -68,7 +73,7 @@ from agent.workers.zygote import ZygoteProcess
 from checkpoints.protocol.jit import DONE, clear_reports, keep_waiting, read_reports, write_notice
 from checkpoints.protocol.live import clear_live_files
 from rendezvous.elastic.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
-from rendezvous.elastic.assigned_rounds import WAITING, Change
+from rendezvous.elastic.assigned_rounds import LOST, WAITING, Change
 from rendezvous.etcd import create_client
 from rendezvous.keys import Keys
 from rendezvous.records import (
@@ -295,7 +300,9 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
     def _after_change(self, change: Change, members: frozenset[str]) -> frozenset[str]:
         """This node's round is obsolete: resize live, or restart the group
         (:func:`agent.runner.restarts.for_change`). Returns the new round's members."""
-        step = restarts.for_change(change.kind, self._budget, self._live_blocker)
+        lost = change.kind == LOST
+        step = restarts.for_change(change.kind, self._budget,
+                                   lambda: self._live_blocker(lost=lost))
         if step.action is Action.LIVE:
             return self._live_resize(change, members)
         self._notice_recovery()
@@ -303,7 +310,8 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         if step.broken:
             # A peer is gone (or the others went on without us): the group
             # is broken and its collectives will not complete.
-            log.warning("peer(s) %s lost (%s): restarting without them", nodes, change.kind)
+            log.warning("peer(s) %s lost (%s): restarting without them%s", nodes, change.kind,
+                        f" (not in place: {step.fallback})" if step.fallback else "")
             self._stop_timeout_s = FAILED_STOP_TIMEOUT_S
         else:
             # A healthy group: give the workers their grace to checkpoint.

@@ -46,21 +46,24 @@ def read_workers(progress_dir: Path, local_ranks: Collection[int]) -> dict[int, 
 
 
 def blocker(
-    workers: Mapping[int, WorkerLive], local_ranks: Collection[int], alive: Callable[[int], bool]
+    workers: Mapping[int, WorkerLive], local_ranks: Collection[int], alive: Callable[[int], bool],
+    *, lost: bool = False,
 ) -> str | None:
     """Why this node's group cannot take the live path now; None if it can.
 
     It can when every local worker announced the live path (``ready``, or
     ``resized`` into an earlier round) from a process that still runs: a script
-    that does not use the library, or one still starting, has no file.
+    that does not use the library, or one still starting, has no file. For a
+    member ``lost`` (in-place recovery), a worker that already caught the failed
+    collective and says ``resizing`` (waiting for the runner's next round) can too.
     """
     if not local_ranks:
         return NOT_CAPABLE
+    states = (LiveState.READY, LiveState.RESIZED, LiveState.RESIZING) if lost else (
+        LiveState.READY, LiveState.RESIZED)
     for local_rank in local_ranks:
         worker = workers.get(local_rank)
-        if worker is None or worker.state not in (LiveState.READY, LiveState.RESIZED) or (
-            not alive(worker.pid)
-        ):
+        if worker is None or worker.state not in states or not alive(worker.pid):
             return NOT_CAPABLE
     return None
 

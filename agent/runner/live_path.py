@@ -1,6 +1,7 @@
 """The runner's live path: resizing the worker group in place, and leaving it live.
 
-When a node joins or announces that it leaves, and every local worker can
+When a node joins or announces that it leaves, or a member is lost (an
+unplanned failure: the workers recover in place), and every local worker can
 take the live path, :class:`agent.runner.elastic.TidalElasticAgent` forms the next
 round while its workers train, writes them a resize notice
 (:mod:`checkpoints.protocol.live`) and waits for them to re-form their process
@@ -29,8 +30,13 @@ from agent.runner import live_decide as live
 from agent.runner import restarts
 from agent.runner.restarts import Action
 from agent.runner_metrics import LIVE, NOT_ANNOUNCED, NOT_CAPABLE, RESTART
-from checkpoints.protocol.live import ResizeNotice, write_leave_notice, write_resize_notice
-from rendezvous.elastic.assigned_rounds import WAITING, Change
+from checkpoints.protocol.live import (
+    ResizeNotice,
+    write_leave_notice,
+    write_lost_notice,
+    write_resize_notice,
+)
+from rendezvous.elastic.assigned_rounds import LOST, WAITING, Change
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing import PContext
@@ -66,7 +72,7 @@ class LivePath:
     """
 
     if TYPE_CHECKING:
-        # torch's LocalElasticAgent (tests/unit/agent/test_torch_coupling.py)
+        # torch's LocalElasticAgent (tests/unit/agent/runner/test_torch_coupling.py)
         _worker_group: WorkerGroup
         _pcontext: PContext | None
         _remaining_restarts: int
@@ -88,15 +94,17 @@ class LivePath:
         def _report_running(self) -> None: ...
         def _start_group(self) -> None: ...
 
-    def _live_blocker(self) -> str | None:
-        """Why the group cannot take the live path now (a fallback cause), None if it can."""
+    def _live_blocker(self, *, lost: bool = False) -> str | None:
+        """Why the group cannot take the live path now (a fallback cause), None if it can
+        (``lost``: for an in-place recovery, :func:`agent.runner.live_decide.blocker`)."""
         group = self._worker_group
         if self._progress_dir is None or self._pcontext is None or (
             group.state != WorkerState.HEALTHY
         ):
             return NOT_CAPABLE
         local_ranks = [w.local_rank for w in group.workers]
-        return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, alive)
+        return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, alive,
+                            lost=lost)
 
     def _live_resize(self, change: Change, members: frozenset[str]) -> frozenset[str]:
         """Form the next round with the workers running, and have them re-form their group.
@@ -108,8 +116,17 @@ class LivePath:
         assert self._progress_dir is not None
         group = self._worker_group
         noticed_at, noticed = time.time(), time.monotonic()
-        log.info("node(s) %s %s: resizing the group live", ", ".join(sorted(change.nodes)),
-                 "waiting to join" if change.kind == WAITING else "leaving")
+        lost = change.kind == LOST
+        if lost:
+            # First of all, so that a worker blocked on the dead peer hears of it.
+            try:
+                write_lost_notice(self._progress_dir, round_=self._handler.current_round(),
+                                  now=noticed_at)
+            except OSError as exc:
+                log.warning("cannot write the live lost notice: %s", exc)
+        log.info("node(s) %s %s: resizing the group live%s", ", ".join(sorted(change.nodes)),
+                 {WAITING: "waiting to join", LOST: "lost"}.get(change.kind, "leaving"),
+                 " (in place: the survivors keep their processes)" if lost else "")
         ids = {w.local_rank: w.id for w in group.workers}
         # Until it is decided: a SIGTERM meanwhile takes today's path (the flag
         # stays set when an exception leaves from here).
@@ -119,7 +136,8 @@ class LivePath:
             worker.id = ids.get(worker.local_rank)
         new_members = self._handler.participants()
         round_ = self._handler.current_round()
-        step = restarts.after_live(change.kind, self._budget, self._tell_and_await(round_))
+        step = restarts.after_live(change.kind, self._budget,
+                                   self._tell_and_await(round_, lost=lost))
         self._resizing = False
         reason = step.resize or "lost"
         if step.action is Action.LIVE:
@@ -141,8 +159,10 @@ class LivePath:
         self._start_group()
         return new_members
 
-    def _tell_and_await(self, round_: int) -> str:
+    def _tell_and_await(self, round_: int, *, lost: bool = False) -> str:
         """Tell the workers round ``round_``; wait until they resized into it (bounded).
+
+        ``lost``: the round recovers from a member lost (the notice says so).
 
         Returns :data:`agent.runner.live_decide.DONE` or the cause to fall back for.
         """
@@ -153,7 +173,7 @@ class LivePath:
             master_port=int(group.master_port or 0),
             world_size=group.workers[0].world_size if group.workers else 0,
             ranks={w.local_rank: w.global_rank for w in group.workers}, written_at=time.time(),
-            group_rank=group.group_rank, group_world_size=group.group_world_size,
+            group_rank=group.group_rank, group_world_size=group.group_world_size, lost=lost,
         )
         try:
             write_resize_notice(self._progress_dir, notice)

@@ -17,7 +17,9 @@ meets an event and carries it out:
   uncharged (the members changed), restart charged, or fail (budget spent);
 * :func:`for_change`: the round is obsolete while the group is healthy: take
   the live path, fall back to a restart with the grace to save (a planned
-  change the workers cannot take live), or restart a broken group (a peer lost);
+  change the workers cannot take live), recover in place (a peer lost, and the
+  workers can re-form without it: they keep their processes), or restart a
+  broken group (a peer lost and the workers cannot, or the round superseded);
 * :func:`after_live`: the live path answered: done, or fall back to a restart.
 """
 
@@ -29,7 +31,7 @@ from enum import Enum
 
 from agent.runner.live_decide import DONE as LIVE_DONE
 from agent.runner_metrics import MEMBERSHIP_CHANGED
-from rendezvous.elastic.assigned_rounds import LEAVING, WAITING
+from rendezvous.elastic.assigned_rounds import LEAVING, LOST, WAITING
 from rendezvous.records import RestartReason
 
 #: Changes of a healthy group (:data:`rendezvous.elastic.assigned_rounds.CHANGE_KINDS`): the live
@@ -61,7 +63,7 @@ class Step:
         resize: the membership change's reason label ("join", "leave" or
             "lost", :data:`agent.runner_metrics.RESIZE_REASONS`); None for a
             failure with the same members.
-        fallback: why a planned change took the restart path (a fallback cause).
+        fallback: why a change took the restart path (a fallback cause).
         rejoin: the round just formed is obsolete already: form another
             before restarting.
     """
@@ -136,22 +138,28 @@ def for_change(kind: str, budget: int, blocker: Callable[[], str | None]) -> Ste
         kind: the change's kind.
         budget: the worker-failure budget left, unchanged.
         blocker: why the group cannot take the live path now
-            (:func:`agent.runner.live_decide.blocker`), None if it can; asked only for a
-            planned change.
+            (:func:`agent.runner.live_decide.blocker`), None if it can; asked for a
+            planned change and for a member lost.
 
     Returns:
-        :attr:`Action.LIVE` for a planned change the group can take live,
-        :attr:`Action.FALL_BACK` (with the cause, the workers keep their grace)
-        for one it cannot, :attr:`Action.RESTART` of a broken group for a
-        member lost or the round superseded.
+        :attr:`Action.LIVE` for a planned change the group can take live, and
+        for a member lost when the workers can recover in place (``broken``
+        False: they keep their processes; the old group is abandoned, not
+        drained); :attr:`Action.FALL_BACK` (with the cause, the workers keep
+        their grace) for a planned change it cannot take live;
+        :attr:`Action.RESTART` of a broken group for a member lost that the
+        workers cannot recover from in place (with the cause) or the round
+        superseded (this node was cut off: it is fenced and restarts).
     """
     budget = max(0, budget)
     resize = resize_reason(kind)
-    if kind not in PLANNED:
+    if kind not in PLANNED and kind != LOST:
         return Step(Action.RESTART, budget, broken=True, resize=resize)
     cause = blocker()
     if cause is None:
         return Step(Action.LIVE, budget, resize=resize)
+    if kind == LOST:
+        return Step(Action.RESTART, budget, broken=True, resize=resize, fallback=cause)
     return Step(Action.FALL_BACK, budget, resize=resize, fallback=cause)
 
 

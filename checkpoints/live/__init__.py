@@ -42,6 +42,19 @@ process runs the same sequence as the first thing of ``restore()``, so it
 receives the state from a peer instead of reading a checkpoint. The peers of
 a job are trusted as DDP trusts them: the skeleton is pickled.
 
+**In-place recovery** (an unplanned loss: a member died). The runner writes
+``live-lost.json`` as soon as it learns of the death, forms the next round
+without the dead member, and writes a resize notice marked ``lost``. The
+worker's step fails in a collective (gloo raises once the dead peer's sockets
+close); :meth:`~checkpoints.checkpointer.Checkpointer.recover` (or
+``maybe_save`` itself, when the failure surfaces in its own reduction)
+discards the step in flight (no optimizer step ran on partial gradients; the
+gradients are zeroed), abandons the broken group without draining it, joins
+the notice's round, syncs the state (a survivor one step behind receives the
+step the others completed) and calls ``on_resize`` with ``lost=True`` and the
+step to go on from: the sampler rewinds to that step's batch and the step is
+repeated. No save is needed and no completed step is lost.
+
 **Failure.** Anything that goes wrong on this path raises (a notice that does
 not come, a peer that does not join the new group in time, a model that does
 not fit): the worker fails and the runner falls back to restarting the group
@@ -66,17 +79,21 @@ from checkpoints.live.sync import SyncResult, sync_state
 from checkpoints.protocol.live import (
     EXIT_LEFT,
     LEAVE_NOTICE,
+    LOST_NOTICE,
     RESIZE_NOTICE,
     LeaveNotice,
     LiveState,
+    LostNotice,
     ResizeNotice,
     WorkerLive,
     clear_live_files,
     read_leave_notice,
+    read_lost_notice,
     read_resize_notice,
     read_worker_live,
     worker_live_path,
     write_leave_notice,
+    write_lost_notice,
     write_resize_notice,
     write_worker_live,
 )
@@ -85,11 +102,13 @@ __all__ = [
     "EXIT_LEFT",
     "LEAVE_NOTICE",
     "LIVE_NOTICE_WAIT_S",
+    "LOST_NOTICE",
     "RESIZE_NOTICE",
     "Action",
     "LeaveNotice",
     "LiveResizeError",
     "LiveState",
+    "LostNotice",
     "NoticeWatch",
     "Resize",
     "ResizeNotice",
@@ -101,6 +120,7 @@ __all__ = [
     "decide",
     "pending_round",
     "read_leave_notice",
+    "read_lost_notice",
     "read_resize_notice",
     "read_worker_live",
     "rejoin",
@@ -108,6 +128,7 @@ __all__ = [
     "wait_for_notice",
     "worker_live_path",
     "write_leave_notice",
+    "write_lost_notice",
     "write_resize_notice",
     "write_worker_live",
 ]
@@ -123,6 +144,9 @@ class Resize:
         previous_world_size: the world size before.
         step: the completed optimizer steps the state holds (the sampler's start).
         round: the rendezvous round of the new group.
+        lost: the resize recovers from a member lost (an unplanned failure):
+            the step in flight was discarded, and ``step`` is where the
+            survivors go on from (the sampler rewinds to it).
     """
 
     rank: int
@@ -130,3 +154,4 @@ class Resize:
     previous_world_size: int
     step: int
     round: int
+    lost: bool = False

@@ -113,6 +113,27 @@ class WorkerLink:
             notice_round=None if notice is None else notice.round,
         )
 
+    def lost_notice(self, *, timeout: float = LIVE_NOTICE_WAIT_S) -> ResizeNotice:
+        """After a failed collective: this node's notice of the round that replaces the
+        broken one (newer than this worker's, marked ``lost``; waits, bounded).
+
+        Raises:
+            LiveResizeError: when none comes within ``timeout`` seconds (the runner
+                did not take the in-place path: it restarts the group).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            notice = wait_for_notice(self.directory, min_round=self.round + 1,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            if notice.lost:
+                return notice
+            if time.monotonic() >= deadline:
+                raise LiveResizeError(
+                    f"the newest {RESIZE_NOTICE} (round {notice.round}) is a planned resize, "
+                    f"not the recovery from a lost member: the runner restarts the group"
+                )
+            time.sleep(_NOTICE_POLL_S)
+
     def notice(self, agreed_round: int) -> ResizeNotice:
         """This node's notice of ``agreed_round`` or later (waits, bounded; see
         :func:`wait_for_notice`)."""

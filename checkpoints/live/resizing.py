@@ -8,6 +8,11 @@ process group of the new round, sync the state to joining ranks and call
 ``on_resize`` to rebuild DDP and the data pipeline, without a restart. A joining
 process receives the state in :meth:`~checkpoints.checkpointer.Checkpointer.restore`.
 
+After an unplanned loss the group is broken and cannot agree on anything:
+:meth:`LiveResizing._recover_in_place` abandons it, takes the runner's next
+round (a notice marked ``lost``), syncs the state from the survivor furthest
+ahead and calls ``on_resize`` with the step to repeat.
+
 :class:`LiveResizing` is the part of the
 :class:`~checkpoints.checkpointer.Checkpointer` that does this; the names it
 declares without defining are the checkpointer's.
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoints.jit import JustInTimeSaver
+from checkpoints.jit import JustInTimeSaver, is_collective_failure
 from checkpoints.live import (
     EXIT_LEFT,
     Action,
@@ -164,6 +169,86 @@ class LiveResizing:
             step, self.rank, self.world_size, self._previous_world_size, notice.round,
             time.monotonic() - started,
         )
+
+    def _recover_in_place(self, exc: BaseException) -> int:
+        """A collective of the step in flight failed (a member is lost): re-form the group
+        without it, keep this process, and return the step to go on from.
+
+        The step in flight is discarded: its gradients are zeroed (no optimizer
+        step ran on them: DDP's all-reduce failed inside backward, or the step
+        had completed and the failure came in the boundary's own reduction).
+        The broken group is abandoned without draining it; the runner's notice
+        of the next round (marked ``lost``) is awaited; the state comes from the
+        survivor furthest ahead (a rank whose all-reduce completed before the
+        peer died is one step ahead of one whose did not), and ``on_resize``
+        rebuilds DDP and rewinds the sampler to the returned step.
+
+        Raises:
+            BaseException: ``exc`` itself, when it is no failed collective or
+                the live path is off (the restart path takes over).
+            LiveResizeError: when the runner's notice does not come in time.
+            CheckpointError, RuntimeError: when the new group or the state sync fails.
+        """
+        if self._live is None or self._on_resize is None or not is_collective_failure(exc):
+            raise exc
+        started = time.monotonic()
+        step = self._live_step
+        log.warning("rank %d: a collective failed at step %d (%s): recovering in place",
+                    self.rank, step, str(exc).splitlines()[0][:200] if str(exc) else
+                    type(exc).__name__)
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        self._live.report(LiveState.RESIZING, step=step)
+        notice = self._live.lost_notice()
+        detected = time.monotonic()
+        self._abandon()
+        self._previous_world_size = self.world_size
+        rejoin(notice, local_rank=self._local_rank)
+        self._init_distributed()
+        self._progress.rebind(rank=self.rank, world_size=self.world_size)
+        joined = time.monotonic()
+        synced = self._sync_live()
+        if synced.state is not None:  # one step behind: take the step the others completed
+            self._take_live_state(synced)
+            step = synced.step
+        self._live_step = step
+        self._jit = self._make_jit(self._jit_wanted)
+        self._live.round = notice.round
+        self._on_resize(Resize(
+            rank=self.rank, world_size=self.world_size,
+            previous_world_size=self._previous_world_size, step=step, round=notice.round,
+            lost=True,
+        ))
+        if self._jit is not None:
+            self._jit.boundary(step)
+        self._live.report(LiveState.RESIZED, step=step)
+        log.warning(
+            "recovered in place at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s "
+            "(notice %.2f s, re-form %.2f s, sync and on_resize %.2f s)",
+            step, self.rank, self.world_size, self._previous_world_size, notice.round,
+            time.monotonic() - started, detected - started, joined - detected,
+            time.monotonic() - joined,
+        )
+        return step
+
+    def _abandon(self) -> None:
+        """Before a broken group goes away: nothing of ours waits on it (no drain)."""
+        if self._jit is not None:
+            self._jit.disarm()
+            self._jit = None
+        self._saver.writer.wait()  # a replicated save uses no group
+        self._poll_writer()
+        self._consensus = None  # its reduction in flight failed or never completes
+
+    def _take_live_state(self, synced: SyncResult) -> None:
+        """Load the state another rank sent (its model came in place already)."""
+        state = synced.state
+        assert state is not None
+        self._apply(state, model=None, optimizer=self._optimizer,
+                    path=Path(f"<the live state of rank {synced.source}>"))
+        live = state["live"]
+        self._epoch = int(live["epoch"])
+        self._last_saved_step = live["last_saved_step"]
 
     def _sync_live(self) -> SyncResult:
         return sync_state(

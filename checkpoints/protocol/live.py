@@ -16,6 +16,13 @@ workers run the user's code):
   round formed: the round number, the new master address and port, the new
   world size and this node's local-to-global rank map
   (:class:`ResizeNotice`). A newer round overwrites it.
+* ``live-lost.json``, from the runner of a node that stays, as soon as it learns
+  that a member is lost (an unplanned failure) and before it forms the next
+  round (:class:`LostNotice`): the round that broke. The workers' watchdog
+  gets them out of a collective blocked on the dead peer; they discard the
+  step in flight and wait for the resize notice of a later round, which then
+  says ``"lost": true`` (the old group is broken: the ranks cannot agree on a
+  boundary through it; each goes on from the last step it completed).
 * ``live-leave.json``, from the runner of a node that leaves (a planned stop):
   its workers train on until the group agrees to resize, then exit with
   :data:`EXIT_LEFT` (77) without saving: the others hold the state.
@@ -42,18 +49,22 @@ from typing import Any
 __all__ = [
     "EXIT_LEFT",
     "LEAVE_NOTICE",
+    "LOST_NOTICE",
     "RESIZE_NOTICE",
     "LeaveNotice",
     "LiveState",
+    "LostNotice",
     "ResizeNotice",
     "WorkerLive",
     "clear_live_files",
     "read_leave_notice",
+    "read_lost_notice",
     "read_resize_notice",
     "read_small",
     "read_worker_live",
     "worker_live_path",
     "write_leave_notice",
+    "write_lost_notice",
     "write_resize_notice",
     "write_worker_live",
 ]
@@ -67,6 +78,8 @@ EXIT_LEFT = 77
 RESIZE_NOTICE = "live-resize.json"
 #: The runner's notice to a leaving node's workers.
 LEAVE_NOTICE = "live-leave.json"
+#: The runner's notice to a staying node's workers that a member is lost (unplanned).
+LOST_NOTICE = "live-lost.json"
 _WORKER_PREFIX = "live-"
 
 
@@ -89,7 +102,8 @@ class ResizeNotice:
 
     ``group_rank`` and ``group_world_size`` (the node's rank and the number of
     nodes) are optional: when present, workers export them as GROUP_RANK and
-    GROUP_WORLD_SIZE.
+    GROUP_WORLD_SIZE. ``lost``: the round replaces one that a lost member broke
+    (in-place recovery: the workers re-form without agreeing through the old group).
     """
 
     round: int
@@ -100,6 +114,7 @@ class ResizeNotice:
     written_at: float
     group_rank: int | None = None
     group_world_size: int | None = None
+    lost: bool = False
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -114,6 +129,8 @@ class ResizeNotice:
             body["group_rank"] = self.group_rank
         if self.group_world_size is not None:
             body["group_world_size"] = self.group_world_size
+        if self.lost:
+            body["lost"] = True
         return body
 
     @classmethod
@@ -145,6 +162,9 @@ class ResizeNotice:
         written = body.get("written_at", 0.0)
         if isinstance(written, bool) or not isinstance(written, int | float):
             raise ValueError(f"written_at ({written!r}) is not a time")
+        lost = body.get("lost", False)
+        if not isinstance(lost, bool):
+            raise ValueError(f"lost ({lost!r}) is not a boolean")
         return cls(
             round=_int(body, "round", minimum=1),
             master_addr=addr,
@@ -156,6 +176,7 @@ class ResizeNotice:
             group_world_size=(
                 _int(body, "group_world_size", minimum=1) if "group_world_size" in body else None
             ),
+            lost=lost,
         )
 
 
@@ -163,6 +184,14 @@ class ResizeNotice:
 class LeaveNotice:
     """``live-leave.json``: this node leaves the job (a planned stop)."""
 
+    written_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LostNotice:
+    """``live-lost.json``: a member of round ``round`` is lost; its group is broken."""
+
+    round: int
     written_at: float
 
 
@@ -273,6 +302,25 @@ def read_leave_notice(directory: Path) -> LeaveNotice | None:
     return LeaveNotice(written_at=float(written))
 
 
+def write_lost_notice(directory: Path, *, round_: int, now: float | None = None) -> None:
+    """The runner: tell this node's workers that a member of round ``round_`` is lost."""
+    _write_json(directory / LOST_NOTICE,
+                {"round": round_, "written_at": time.time() if now is None else now})
+
+
+def read_lost_notice(directory: Path) -> LostNotice | None:
+    """The lost notice in ``directory``; None if missing or malformed."""
+    body = _read_json(directory / LOST_NOTICE)
+    if not isinstance(body, dict):
+        return None
+    written, round_ = body.get("written_at"), body.get("round")
+    if isinstance(written, bool) or not isinstance(written, int | float):
+        return None
+    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+        return None
+    return LostNotice(round=round_, written_at=float(written))
+
+
 def worker_live_path(directory: Path, local_rank: int) -> Path:
     """Where the worker of ``local_rank`` reports its live-path state."""
     return directory / f"{_WORKER_PREFIX}{local_rank}.json"
@@ -302,7 +350,7 @@ def _live_files(directory: Path) -> Iterator[str]:
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             name = entry.name
-            if name in (RESIZE_NOTICE, LEAVE_NOTICE) or (
+            if name in (RESIZE_NOTICE, LEAVE_NOTICE, LOST_NOTICE) or (
                 name.startswith(_WORKER_PREFIX)
                 and name.endswith(".json")
                 and name[len(_WORKER_PREFIX) : -len(".json")].isdigit()
@@ -311,7 +359,7 @@ def _live_files(directory: Path) -> Iterator[str]:
 
 
 def clear_live_files(directory: Path) -> None:
-    """The runner, before a new worker group starts: remove both notices and the workers' files."""
+    """The runner, before a new worker group starts: remove the notices and the workers' files."""
     for path in list(_live_files(directory)):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -49,6 +49,18 @@ def test_a_group_is_live_capable_only_when_every_local_worker_announced_it_alive
     assert live.blocker({}, [], alive) == NOT_CAPABLE
 
 
+def test_after_a_member_is_lost_a_worker_already_waiting_for_the_next_round_is_capable() -> None:
+    # It caught the failed collective first and said "resizing": in place it can go on.
+    waiting = {0: worker(101), 1: worker(102, LiveState.RESIZING)}
+    assert live.blocker(waiting, [0, 1], alive, lost=True) is None
+    assert live.blocker(waiting, [0, 1], alive) == NOT_CAPABLE
+    assert live.blocker({0: worker(101)}, [0, 1], alive, lost=True) == NOT_CAPABLE
+    assert live.blocker({**waiting, 1: worker(102, LiveState.LEFT)}, [0, 1], alive,
+                        lost=True) == NOT_CAPABLE
+    assert live.blocker({**waiting, 1: worker(999, LiveState.RESIZING)}, [0, 1], alive,
+                        lost=True) == NOT_CAPABLE
+
+
 def outcome(workers: dict[int, WorkerLive], *, exited: bool = False, superseded: bool = False,
             now: float = 0.0) -> str:
     return live.resize_outcome(workers, [0, 1], 3, exited=exited, superseded=superseded,

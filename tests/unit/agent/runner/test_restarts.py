@@ -52,13 +52,24 @@ def test_a_planned_change_goes_live_when_the_group_can_else_restarts_with_the_gr
         Action.FALL_BACK, 2, resize="leave", fallback=NOT_CAPABLE)
 
 
-def test_a_lost_member_restarts_a_broken_group_without_asking_the_live_path() -> None:
-    def never() -> str | None:
-        raise AssertionError("the live path is asked only for a planned change")
+def test_a_lost_member_is_recovered_in_place_when_the_workers_can() -> None:
+    # The survivors keep their processes: the live path, not broken, not charged.
+    assert restarts.for_change(LOST, 1, blocked_by(None)) == Step(
+        Action.LIVE, 1, resize="lost")
 
-    assert restarts.for_change(LOST, 1, never) == Step(
+
+def test_a_lost_member_the_workers_cannot_recover_from_restarts_a_broken_group_and_says_why(
+) -> None:
+    assert restarts.for_change(LOST, 1, blocked_by(NOT_CAPABLE)) == Step(
+        Action.RESTART, 1, broken=True, resize="lost", fallback=NOT_CAPABLE)
+
+
+def test_a_superseded_round_restarts_a_broken_group_without_asking_the_live_path() -> None:
+    def never() -> str | None:
+        raise AssertionError("a node the others went on without is fenced: no live path")
+
+    assert restarts.for_change(SUPERSEDED, 1, never) == Step(
         Action.RESTART, 1, broken=True, resize="lost")
-    assert restarts.for_change(SUPERSEDED, 1, never).broken
 
 
 def test_the_live_path_is_done_or_falls_back_at_once_rejoining_if_superseded() -> None:

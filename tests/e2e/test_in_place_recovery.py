@@ -1,0 +1,150 @@
+"""The acid test through unplanned failures recovered in place: the survivors keep their processes.
+
+Three `tidal agent` processes run examples/mlp.py --live-resize (float64, the
+checkpoints library, DDP over gloo, a periodic checkpoint only every 1000
+steps: never within the run). Then:
+
+1. node c's workers stop before step :data:`HANG_AT` (``--hang-before-step``,
+   fault injection), so that a and b wait in that step's gradient all-reduce;
+   once c says it hangs, c's agent is SIGKILLed with its process group (a
+   dying machine) while the others are inside the all-reduce;
+2. once a and b train at world size 2, a's agent (rank 0's node) is SIGKILLed
+   the same way, mid-training.
+
+Each time the survivors' collective fails, their runners tell them the next
+round, and they re-form the group in place: every survivor's worker keeps
+its PID across both kills (each node started one worker, ever), no worker
+saved just in time or restored a checkpoint, every step was taken (0 lost),
+the runners say the path was "live" for a lost member, and the final
+parameters equal those of the same job run uninterrupted under plain
+torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rendezvous.etcd import EtcdClient
+from rendezvous.etcd.server import EtcdServer
+from rendezvous.records import Assignment, JobNodeState
+from tests.support.acid import (
+    MLP,
+    assert_same_params,
+    max_difference,
+    record_params,
+    start_reference,
+    wait_reference,
+)
+from tests.support.agents import (
+    AgentCluster,
+    assign,
+    nodes_in_state,
+    processes_of_node,
+    statuses,
+    unassign,
+)
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+log = logging.getLogger(__name__)
+TOTAL, HANG_AT = 70, 12
+ARGS = [
+    "--total-steps", str(TOTAL), "--global-batch-size", "10", "--dataset-size", "96",
+    "--dtype", "float64", "--every-steps", "1000", "--seed", "5",
+]
+# mlp.py logs "<asctime> [pid P] rank R world_size W step S loss L" after step S.
+_STEP = re.compile(r"\[pid (\d+)\] rank (\d+) world_size (\d+) step (\d+) loss")
+
+
+def _worker_lines(root: Path, node: str) -> list[str]:
+    lines: list[str] = []
+    for path in sorted((root / node).glob("jobs/*/gen-*/logs/**/stderr.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    return lines
+
+
+def _steps(root: Path, node: str) -> list[tuple[int, int, int, int]]:
+    """(pid, rank, world size, step) of every step line of ``node``'s workers."""
+    return [tuple(int(g) for g in m.groups())  # type: ignore[misc]
+            for line in _worker_lines(root, node) if (m := _STEP.search(line))]
+
+
+def _paths(client: EtcdClient, node: str) -> dict[str, int]:
+    st = statuses(client, "mlp").get(node)
+    return dict(st.resize_paths) if st is not None else {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_survivors_of_two_killed_nodes_keep_their_processes_and_end_with_the_reference(
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    etcd_root: str,
+    etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    ref, reference_record = start_reference(procs, tmp_path, ARGS)
+    cluster = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    record, hang_file = tmp_path / "elastic.json", tmp_path / "c-hangs"
+    job = Assignment(
+        job_id="mlp",
+        command=[sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *ARGS,
+                 "--step-seconds", "0.1", "--record", str(record), "--live-resize",
+                 "--hang-before-step", str(HANG_AT), "--hang-node", "c",
+                 "--hang-file", str(hang_file)],
+        env={"OMP_NUM_THREADS": "1"},
+        min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10,
+    )
+    try:
+        for node in ("a", "b", "c"):
+            cluster.start_agent(node)
+            assign(etcd_client, node, job)
+        wait_for(hang_file.exists, timeout=240, what=f"node c hanging before step {HANG_AT}")
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b", "c"}, size=3),
+                 timeout=30, what="world size 3")
+        # a and b are in step HANG_AT's all-reduce now, waiting for c.
+        cluster.kill_agent("c")
+        unassign(etcd_client, "c", "mlp")
+        wait_for(lambda: not processes_of_node("c", warm=True), timeout=10,
+                 what="node c's processes gone")
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b"}, size=2,
+                                        min_step=HANG_AT + 5),
+                 timeout=60, what="a and b training at world size 2")
+        cluster.kill_agent("a")  # rank 0's node, mid-training
+        unassign(etcd_client, "a", "mlp")
+        wait_for(lambda: not processes_of_node("a", warm=True), timeout=10,
+                 what="node a's processes gone")
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"b"}, state=JobNodeState.SUCCEEDED),
+                 timeout=120, what="the job succeeded on b")
+        wait_reference(ref, tmp_path, timeout=120)
+    except Exception:
+        log.error("%s", cluster.log_tails())
+        raise
+    a, b = _steps(tmp_path, "a"), _steps(tmp_path, "b")
+    log.info("a's steps at world sizes %s; b's at %s",
+             sorted({s[2] for s in a}), sorted({s[2] for s in b}))
+    # Every survivor's worker kept its process: one PID per node, over both kills.
+    assert len({s[0] for s in a}) == 1 and len({s[0] for s in b}) == 1, (
+        {s[0] for s in a}, {s[0] for s in b})
+    assert {s[2] for s in b} == {3, 2, 1}, sorted({s[2] for s in b})
+    lines = _worker_lines(tmp_path, "a") + _worker_lines(tmp_path, "b")
+    assert sum("start at step" in line for line in lines) == 2
+    assert sum("recovered in place" in line for line in _worker_lines(tmp_path, "b")) == 2
+    assert not any("just-in-time save of step" in line for line in lines)
+    assert not any("restored step" in line for line in lines)
+    # 0 steps lost: every step was completed by some survivor, in order.
+    assert {s[3] for s in a + b} == set(range(TOTAL))
+    # b's runner took the live path for both losses, the restart path never.
+    assert _paths(etcd_client, "b") == {"live": 2}, _paths(etcd_client, "b")
+
+    got, want = record_params(record), record_params(reference_record)
+    log.info("max abs parameter difference vs the uninterrupted run: %.3g",
+             max_difference(got, want))
+    assert_same_params(got, want)
