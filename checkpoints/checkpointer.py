@@ -47,6 +47,7 @@ from checkpoints.errors import CheckpointError, LiveResizeError
 from checkpoints.jit import JIT_ENV, JustInTimeSaver, is_collective_failure
 from checkpoints.live import LiveState, Resize
 from checkpoints.live.resizing import LiveResizing
+from checkpoints.pace import PaceMeter
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter, create_progress_reporter
 from checkpoints.restoring import Resume, choose, load_chosen
 from checkpoints.saving import SaveRecord, Saves, Where
@@ -155,6 +156,9 @@ class Checkpointer(LiveResizing):
         self._progress = progress or create_progress_reporter(rank=self.rank)
         if total_steps is not None:
             self._progress.set_total_steps(total_steps)
+        # This rank's own pace per step, for the coordinator's stragglers (#27).
+        self._pace = PaceMeter(model)
+        self._progress.set_pace_source(self._pace.recent)
         # The saves under way; on a GPU, the snapshot's copy runs on a side stream
         # that the optimizer's next step is ordered after (checkpoints.gpu_copy).
         self._saver = Saves(
@@ -349,6 +353,7 @@ class Checkpointer(LiveResizing):
         """
         if self._jit is not None:
             self._jit.boundary(step)  # before any collective of ours can fail
+        self._pace.boundary(step)
         self._live_step = step
         self._progress.record(step=step, loss=loss, samples=samples)
         self._poll_writer()
@@ -403,6 +408,7 @@ class Checkpointer(LiveResizing):
                 tidal runner): the restart path takes over as before.
             LiveResizeError, CheckpointError, RuntimeError: when the recovery fails.
         """
+        self._pace.discard()  # the step in flight is not timed
         return self._recover_in_place(exc)
 
     def save(self, step: int) -> None:
@@ -430,6 +436,7 @@ class Checkpointer(LiveResizing):
             self._consensus.drain()
         self._stop.uninstall()
         self._progress.flush()
+        self._pace.close()
         if self._live is not None:  # no longer able to resize: the runner restarts instead
             self._live.withdraw()
         self._saver.raise_if_failed()
