@@ -154,6 +154,10 @@ class EventReason(str, Enum):
     # a running job's membership changed: RESCALING until every node runs at the new
     # size, by whichever path (its RUNNING event says resized_live or restarted)
     RESIZING = "resizing"
+    # a node of the job was slower than the others (service.scheduler.stragglers): drained
+    # from the job by the live path, or only reported (policy report, or at min_nodes)
+    STRAGGLER_EVICTED = "straggler_evicted"
+    STRAGGLER_REPORTED = "straggler_reported"
 
 
 ConditionType = Literal["Scheduled", "Running", "Training", "Finished"]
@@ -435,6 +439,11 @@ class JobRecord(BaseModel):
     resized: dict[str, SeenResizes] = Field(
         default_factory=dict, description="node -> resize paths of its generation in events"
     )
+    stragglers: dict[str, int] = Field(
+        default_factory=dict,
+        description="node -> generation of its assignment when it was reported a straggler "
+        "(reported once per generation)",
+    )
 
     def condition_differs(self, type_: str, status: bool, reason: str) -> bool:
         """Whether :meth:`set_condition` with these values would change anything."""
@@ -577,6 +586,24 @@ class ScaleRequest(BaseModel):
         return self
 
 
+class SlowMark(BaseModel):
+    """A node's ``slow`` condition: evicted from a job as a straggler, kept out of new
+    placements until ``until`` (``P/slow/<node>``; written by the coordinator,
+    cleared by an undrain)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    job_id: str = Field(description="The job it was evicted from.")
+    ratio: float = Field(ge=0, description="Its pace over the median of the job's other nodes.")
+    since: datetime
+    until: datetime = Field(description="The end of its cool-down.")
+
+    def in_force(self, now: datetime) -> bool:
+        """Whether the cool-down still lasts at ``now``."""
+        return now < self.until
+
+
 class NodeView(BaseModel):
     node_id: str
     host: str
@@ -591,6 +618,8 @@ class NodeView(BaseModel):
     )
     labels: dict[str, str]
     jobs: list[str]
+    slow: SlowMark | None = Field(
+        default=None, description="Set while the node cools down after a straggler eviction.")
 
 
 class EventList(BaseModel):

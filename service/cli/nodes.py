@@ -24,7 +24,8 @@ from service.cli.views import nodes_table
 def nodes_command(
     as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
-    """List the live nodes: state, slots in use, labels and their jobs."""
+    """List the live nodes: state (and slow, for a straggler cooling down), slots in use,
+    labels and their jobs."""
     with connect(url, token, state_dir) as client:
         nodes = client.nodes()
     if as_json:
@@ -60,7 +61,7 @@ def drain_command(
 def undrain_command(
     node: str, as_json: bool, url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
-    """Put a drained NODE back in service."""
+    """Put a drained NODE back in service (and clear its slow condition, if any)."""
     with connect(url, token, state_dir) as client:
         view = client.undrain(node)
     if as_json:

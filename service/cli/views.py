@@ -117,7 +117,7 @@ def nodes_table(nodes: Sequence[NodeView]) -> str:
     """``tidal nodes``: one row per node, then a line per GPU out of service."""
     text = table(
         ["NODE", "STATE", "SLOTS", "GPUS", "ADDRESS", "LABELS", "JOBS"],
-        [[n.node_id, n.state, f"{n.slots_used}/{n.slots}", gpus_cell(n), n.address,
+        [[n.node_id, state_cell(n), f"{n.slots_used}/{n.slots}", gpus_cell(n), n.address,
           ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or None,
           ",".join(n.jobs) or None] for n in nodes],
         shrink=["JOBS", "LABELS", "ADDRESS"],
@@ -125,6 +125,14 @@ def nodes_table(nodes: Sequence[NodeView]) -> str:
     failed = [f"{n.node_id}: GPU {g.index}{' ' + g.uuid if g.uuid else ''} is out of service: "
               f"{g.fault or 'failed'}" for n in nodes for g in n.gpu_devices if not g.healthy]
     return "\n".join([text, *failed])
+
+
+def state_cell(node: NodeView) -> str:
+    """live or draining, and a straggler's condition: "live, slow 1.95x since 12:03:04Z"."""
+    slow = node.slow
+    if slow is None:
+        return node.state
+    return f"{node.state}, slow {slow.ratio:.2f}x since {slow.since:%H:%M:%S}Z"
 
 
 def gpus_cell(node: NodeView) -> str | int:

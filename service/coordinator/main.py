@@ -25,6 +25,7 @@ from service.coordinator.reconciler import Reconciler
 from service.coordinator.routes.access import load_queue_tokens
 from service.coordinator.settings import CoordinatorSettings
 from service.coordinator.store import JobStore, Snapshot
+from service.scheduler import Policy
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class Coordinator:
             ttl_s=settings.election_ttl_s,
         )
         self.reconciler = Reconciler(
-            self.store, self.election, self.metrics, interval_s=settings.reconcile_interval_s
+            self.store, self.election, self.metrics, interval_s=settings.reconcile_interval_s,
+            policy=Policy(straggler_cooldown_s=settings.straggler_cooldown_s),
         )
         self.registry.register(ClusterCollector(self._snapshot))
         self.app: FastAPI = create_app(

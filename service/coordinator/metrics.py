@@ -32,6 +32,8 @@ from service.api.models import EventReason, JobPhase, JobRecord
 from service.api.queues import with_default
 from service.coordinator.store import Snapshot
 from service.scheduler import view_usage
+from service.scheduler.reports import current_statuses
+from service.scheduler.stragglers import job_paces, pace_ratios
 
 # Durations from a millisecond (an API call) to minutes (a reconcile pass under load).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -42,7 +44,8 @@ FIRST_STEP_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0
 # The reasons the scheduler restarts a job for (JobRecord.restarts); each active
 # job's counter starts at zero for every one, so increase() sees the first.
 JOB_RESTART_REASONS = (EventReason.NODE_LOST, EventReason.NODE_JOINED, EventReason.NODE_DRAINED,
-                       EventReason.SCALED_BY_USER, EventReason.RECLAIMED, EventReason.PREEMPTED)
+                       EventReason.SCALED_BY_USER, EventReason.RECLAIMED, EventReason.PREEMPTED,
+                       EventReason.STRAGGLER_EVICTED)
 # What a reclaim did to a job (service.scheduler), by the restart reason it counted.
 RECLAIM_ACTIONS = {EventReason.RECLAIMED.value: "shrink", EventReason.PREEMPTED.value: "preempt"}
 # Departures waiting for a snapshot to classify them (a non-leader never takes one).
@@ -126,6 +129,14 @@ class CoordinatorMetrics:
         )
         for action in ("assign", "release"):
             self.decisions.labels(action=action)
+        self.stragglers = Counter(
+            "tidal_coordinator_stragglers_total",
+            "Straggler findings acted on (service.scheduler.stragglers), by action: evict "
+            "(drained from the job live) or report (an event only).",
+            ["action"], registry=registry,
+        )
+        for action in ("evict", "report"):
+            self.stragglers.labels(action=action)
         self.first_step = Histogram(
             "tidal_coordinator_queue_first_step_seconds",
             "Seconds from a job's submission to its first step (its Training condition's "
@@ -240,6 +251,30 @@ class ClusterCollector(Collector):
         yield from (jobs, nodes, slots)
         yield from _per_job(snap)
         yield from _per_queue(snap)
+        yield _pace_ratios(snap)
+
+
+def _pace_ratios(snap: Snapshot | None) -> Metric:
+    """Each node's pace ratio in each running job whose straggler policy is not off."""
+    ratio = GaugeMetricFamily(
+        "tidal_coordinator_node_pace_ratio",
+        "Each node's pace (its slowest rank's time computing a step) over the median of "
+        "its job's other nodes, as the median over the job's straggler window; for running "
+        "jobs whose straggler_policy is not off, once the window is full.",
+        labels=["job_id", "node_id"],
+    )
+    if snap is None:
+        return ratio
+    for record in snap.view.jobs.values():
+        policy = record.spec.straggler_policy
+        if record.phase != JobPhase.RUNNING or policy.mode == "off":
+            continue
+        reports = current_statuses(snap.view.assignments.get(record.job_id, {}),
+                                   snap.view.statuses.get(record.job_id, {}))
+        for node_id, value in sorted(pace_ratios(job_paces(reports),
+                                                 policy.window_steps).items()):
+            ratio.add_metric([record.job_id, node_id], value)
+    return ratio
 
 
 def _per_queue(snap: Snapshot | None) -> list[Metric]:

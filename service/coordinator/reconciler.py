@@ -50,9 +50,10 @@ from rendezvous.errors import (
 )
 from rendezvous.etcd import Compare, Delete, Put, WatchEvent
 from rendezvous.watch import PrefixWatcher
+from service.api.models import EventReason
 from service.coordinator.metrics import CoordinatorMetrics
 from service.coordinator.store import JobStore, Snapshot, split_ops
-from service.scheduler import JobChange, abandon, note_write_failure, plan
+from service.scheduler import DEFAULT_POLICY, JobChange, Policy, abandon, note_write_failure, plan
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ _REQUEST_REFUSALS = (
     "duplicate key given in txn request",
     "larger than max",  # gRPC: received message larger than max
 )
+
+
+# The straggler events, by the action counted (tidal_coordinator_stragglers_total).
+_STRAGGLER_ACTIONS = {EventReason.STRAGGLER_EVICTED: "evict",
+                      EventReason.STRAGGLER_REPORTED: "report"}
 
 
 def _is_job_error(exc: Exception) -> bool:
@@ -99,6 +105,7 @@ class Reconciler:
         interval_s: the longest time between two passes.
         batch_s: how long a wake-up waits for more events before a pass.
         min_pass_interval_s: the least time from one pass's start to the next's.
+        policy: the scheduler's tunables (the stragglers' cool-down among them).
     """
 
     def __init__(
@@ -110,8 +117,10 @@ class Reconciler:
         interval_s: float = 2.0,
         batch_s: float = 0.02,
         min_pass_interval_s: float = 0.2,
+        policy: Policy = DEFAULT_POLICY,
     ) -> None:
         self.store = store
+        self.policy = policy
         self.election = election
         self.metrics = metrics
         self.interval_s = interval_s
@@ -268,7 +277,7 @@ class Reconciler:
         self.last_snapshot = snap
         self.metrics.observe_snapshot(snap)
         now = datetime.now(timezone.utc)
-        changes = plan(snap.view, now)
+        changes = plan(snap.view, now, self.policy)
         live = {j for j, r in snap.view.jobs.items() if not r.phase.is_terminal()}
         self._job_failures = {j: f for j, f in self._job_failures.items() if j in live}
         written = 0
@@ -347,7 +356,8 @@ class Reconciler:
         job_key = keys.job(change.job_id)
         revision = snap.job_revisions[change.job_id]
         ops = self.store.job_ops(
-            change.record, put=change.put, delete=change.delete, events=change.events
+            change.record, put=change.put, delete=change.delete, events=change.events,
+            slow=change.slow,
         )
         batches = split_ops(ops)
         for batch in batches:
@@ -368,4 +378,7 @@ class Reconciler:
             self.metrics.observe_first_step(change.record)
         for event in change.events:
             log.info("job %s: %s (%s)", change.job_id, event.message, event.reason.value)
+            action = _STRAGGLER_ACTIONS.get(event.reason)
+            if action is not None:
+                self.metrics.stragglers.labels(action=action).inc()
         return True

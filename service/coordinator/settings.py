@@ -71,6 +71,9 @@ class CoordinatorSettings(EtcdSettings):
     checkpoint_root: Path = Field(default_factory=lambda: Path.cwd() / ".tidal" / "checkpoints")
     election_ttl_s: int = Field(default=5, ge=2, le=300)
     reconcile_interval_s: float = Field(default=2.0, gt=0, le=300)
+    # How long a node evicted from a job as a straggler takes no new placements
+    # (its `slow` condition; `tidal undrain` clears it).
+    straggler_cooldown_s: float = Field(default=600.0, ge=0, le=7 * 24 * 3600)
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     replica_id: str = Field(default_factory=_replica_id, max_length=256)
     # The web page links each job to tidal's dashboard on this Grafana.

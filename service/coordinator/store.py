@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,7 +28,7 @@ from rendezvous.etcd import Compare, Delete, EtcdClient, Get, KeyValue, Put, Txn
 from rendezvous.keys import Keys
 from rendezvous.records import Assignment, JobNodeStatus
 from rendezvous.registry import NodeInfo
-from service.api.models import JobEvent, JobRecord
+from service.api.models import JobEvent, JobRecord, SlowMark
 from service.api.queues import QueueSpec
 from service.scheduler import ClusterView
 
@@ -230,9 +230,10 @@ class JobStore:
         put: dict[str, Assignment],
         delete: Iterable[str],
         events: Iterable[JobEvent],
+        slow: Mapping[str, SlowMark] | None = None,
     ) -> list[TxnOp]:
         """The operations that write a job's record, assignments and events; see :func:`job_ops`."""
-        return job_ops(self.keys, record, put=put, delete=delete, events=events)
+        return job_ops(self.keys, record, put=put, delete=delete, events=events, slow=slow)
 
     # per-job observations ----------------------------------------------------------------
 
@@ -259,25 +260,29 @@ class JobStore:
         return {node for kv in kvs if (node := self.keys.drained_node(kv.key)) is not None}
 
     def set_drain(self, node_id: str, draining: bool) -> None:
+        """Drain the node, or put it back in service: an undrain also clears its
+        ``slow`` mark (a straggler's cool-down)."""
         key = self.keys.drain(node_id)
         if draining:
             self.client.put(key, b"{}")
         else:
-            self.client.delete(key)
+            self.client.txn([], [Delete(key), Delete(self.keys.slow(node_id))])
 
     # the whole picture ---------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """Jobs, nodes, drains, assignments, statuses and queues, read in one transaction.
+        """Jobs, nodes, drains, assignments, statuses, queues and slow marks, read in
+        one transaction.
 
-        One revision for all six, so the scheduler never sees an assignment
+        One revision for all seven, so the scheduler never sees an assignment
         newer than the job record it belongs to.
         """
         k = self.keys
         prefixes = [k.jobs_prefix(), k.nodes_prefix(), k.drains_prefix(),
-                    k.assignments_prefix(), k.status_prefix(), k.queues_prefix()]
+                    k.assignments_prefix(), k.status_prefix(), k.queues_prefix(),
+                    k.slow_prefix()]
         result = self.client.txn([], [Get(p, prefix=True) for p in prefixes])
-        jobs_kv, nodes_kv, drains_kv, assign_kv, status_kv, queues_kv = result.gets
+        jobs_kv, nodes_kv, drains_kv, assign_kv, status_kv, queues_kv, slow_kv = result.gets
         jobs_by_key = self._cache.parse(jobs_kv, JobRecord)
         jobs = {r.job_id: r for r in jobs_by_key.values()}
         job_revisions = {
@@ -293,9 +298,11 @@ class JobStore:
         live_keys = {kv.key for group in result.gets for kv in group}
         self._cache.forget_except(live_keys)
         queues = {q.name: q for q in self._cache.parse(queues_kv, QueueSpec).values()}
+        slow = {m.node_id: m for key, m in self._cache.parse(slow_kv, SlowMark).items()
+                if k.slow_node(key) == m.node_id}
         view = ClusterView(
             jobs=jobs, nodes=nodes, draining=drains, assignments=assignments, statuses=statuses,
-            queues=queues,
+            queues=queues, slow=slow,
         )
         return Snapshot(result.revision, view, job_revisions, strays)
 
@@ -337,8 +344,10 @@ def job_ops(
     put: dict[str, Assignment],
     delete: Iterable[str],
     events: Iterable[JobEvent],
+    slow: Mapping[str, SlowMark] | None = None,
 ) -> list[TxnOp]:
-    """The operations that write a job's record, assignments and events.
+    """The operations that write a job's record, assignments and events, and the
+    ``slow`` marks of the nodes it evicted as stragglers (with the deletes).
 
     Cut by :func:`split_ops` when they do not fit one transaction.
 
@@ -363,6 +372,8 @@ def job_ops(
         for node, a in put.items()
     ]
     deletes: list[TxnOp] = [Delete(keys.assignment(node, record.job_id)) for node in delete]
+    deletes += [Put(keys.slow(node), mark.model_dump_json().encode())
+                for node, mark in (slow or {}).items()]
     event_puts: list[TxnOp] = [_event_put(keys, record.job_id, e) for e in events]
     return [*event_puts, record_put, *deletes, *puts]
 

@@ -89,9 +89,12 @@ def job_view(record: JobRecord, statuses: dict[str, JobNodeStatus]) -> JobView:
     )
 
 
-def node_views(snap: Snapshot) -> list[NodeView]:
-    """Every live node with its state, the slots and GPUs its jobs hold, and those jobs."""
+def node_views(snap: Snapshot, now: datetime | None = None) -> list[NodeView]:
+    """Every live node with its state, the slots and GPUs its jobs hold, those jobs, and
+    its ``slow`` mark while it lasts at ``now`` (default: the clock)."""
     view = snap.view
+    now = datetime.now(timezone.utc) if now is None else now
+    slow = {n: m for n, m in view.slow.items() if m.in_force(now)}
     placed: dict[str, list[str]] = {}
     used: dict[str, int] = {}
     gpus_used: dict[str, int] = {}
@@ -107,6 +110,7 @@ def node_views(snap: Snapshot) -> list[NodeView]:
             slots=n.slots, slots_used=used.get(n.node_id, 0), gpus=n.gpus,
             gpus_used=gpus_used.get(n.node_id, 0), gpu_devices=n.gpu_devices,
             labels=n.labels, jobs=sorted(placed.get(n.node_id, [])),
+            slow=slow.get(n.node_id),
         )
         for n in sorted(view.nodes.values(), key=lambda n: n.node_id)
     ]

@@ -25,6 +25,9 @@ The rules, level-triggered (the same view always gives the same plan):
 * free capacity goes first to jobs that are below their minimum, as a gang
   (a job gets nodes only if its minimum fits), then to growing jobs toward
   their maximum; both in order of priority, then submission time (FIFO);
+* a running job's straggler (a node slower than the others, by its policy) is
+  evicted as by a drain, its node marked ``slow`` and given no new placement
+  for a cool-down, or only reported (:mod:`service.scheduler.stragglers`);
 * a job with fewer usable nodes than its minimum is ``PENDING``; one whose
   membership just changed is ``RESCALING`` until every node reports running
   at the new size, then ``RUNNING``; its ``Training`` condition turns true
@@ -73,11 +76,13 @@ from service.scheduler.phases import announce, settle_phase
 from service.scheduler.quota import hold
 from service.scheduler.rounds import place
 from service.scheduler.state import SchedulerPass
+from service.scheduler.stragglers import act_on_stragglers
 from service.scheduler.types import (
     DEFAULT_POLICY,
     MAX_ERROR_TEXT,
     MAX_NAMES_IN_MESSAGE,
     RESERVE_AFTER_S,
+    STRAGGLER_COOLDOWN_S,
     ClusterView,
     Decision,
     JobChange,
@@ -98,6 +103,7 @@ __all__ = [
     "MAX_ERROR_TEXT",
     "MAX_NAMES_IN_MESSAGE",
     "RESERVE_AFTER_S",
+    "STRAGGLER_COOLDOWN_S",
     "ClusterView",
     "Decision",
     "JobChange",
@@ -149,6 +155,7 @@ def _run(p: SchedulerPass) -> list[JobChange]:
               if _still_active(p, record, view.assignments.get(record.job_id, {}))]
     for record in active:
         rebound(p, record)
+        act_on_stragglers(p, record)
     for record in active:
         hold(p, record, len(p.members[record.job_id]))
     for record in active:

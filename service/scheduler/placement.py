@@ -37,6 +37,9 @@ def fits(
         # txn request"), failing every pass from then on. The next pass, when
         # the report belongs to no assignment, may assign it again.
         and node_id not in p.left.get(record.job_id, ())
+        # A straggler cooling down keeps its jobs but takes no new one
+        # (service.scheduler.stragglers).
+        and node_id not in p.slow
         and all(info.labels.get(k) == v for k, v in selector.items())
         # GPUs: healthy ones no job placed here asks for (rendezvous.gpus).
         and (record.spec.gpus_per_node == 0 or gpus_free(

@@ -56,6 +56,9 @@ class SchedulerPass:
         self.rebounded: dict[str, set[str]] = {}
         self.released: set[str] = set()  # jobs whose new maximum released nodes, this pass
         self.changes: dict[str, JobChange] = {}
+        # node -> its `slow` mark in force (a straggler cooling down: no new placements),
+        # this pass's evictions included
+        self.slow = {n: m for n, m in view.slow.items() if m.in_force(now)}
         self.members: dict[str, dict[str, Assignment]] = {}  # job -> node -> assignment kept
         self.free: dict[str, int] = {}
         self.open: dict[str, int] = {}  # the nodes of ``free`` with a free slot

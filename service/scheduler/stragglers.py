@@ -21,6 +21,18 @@ slowest first, but never below ``min_nodes`` (those left are reported, with the
 reason); ``off`` looks at nothing. Evictions go through the drain's live path
 (nothing lost); the node is kept out of new placements for a cool-down
 (:func:`cooling_down`).
+
+**In the pass** (:func:`act_on_stragglers`, after each job kept its usable
+nodes and before the rounds place): for a ``RUNNING`` job whose policy is not
+``off``, the paces its current nodes report (statuses of their assignments'
+generation) are compared. An eviction deletes the node's assignment of this job
+(its agent stops the runner, which leaves by the live path, as for a drain), with
+a ``straggler_evicted`` event, and writes the node's ``slow`` mark (the ratio,
+since, until the cool-down ends; :class:`~service.api.models.SlowMark`) in the
+same transaction as the job's change; while it lasts the node keeps its other jobs
+but takes no new placement (:func:`service.scheduler.placement.fits`). A report is
+a ``straggler_reported`` event, once per node and generation (the job record's
+``stragglers`` remembers it), so a pass never repeats it.
 """
 
 from __future__ import annotations
@@ -31,9 +43,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from service.api.models import StragglerPolicy
+from rendezvous.records import JobNodeStatus
+from service.api.models import EventReason, JobPhase, JobRecord, SlowMark, StragglerPolicy
+from service.scheduler.reports import current_statuses
+from service.scheduler.state import SchedulerPass
 
-__all__ = ["Straggler", "cooling_down", "find_stragglers", "pace_ratios"]
+__all__ = [
+    "Straggler", "act_on_stragglers", "cooling_down", "find_stragglers", "job_paces",
+    "pace_ratios",
+]
 
 Action = Literal["evict", "report"]
 
@@ -124,3 +142,69 @@ def find_stragglers(
 def cooling_down(marked_at: datetime | None, *, now: datetime, cooldown_s: float) -> bool:
     """Whether a node marked slow at ``marked_at`` is still kept out of new placements."""
     return marked_at is not None and now - marked_at < timedelta(seconds=cooldown_s)
+
+
+def job_paces(reports: Mapping[str, JobNodeStatus]) -> dict[str, dict[int, float]]:
+    """Per node, per step, the pace its status reports (``JobNodeStatus.paces``)."""
+    return {node: dict(st.paces) for node, st in reports.items()}
+
+
+def act_on_stragglers(p: SchedulerPass, record: JobRecord) -> None:
+    """Evict or report the job's stragglers, in this pass (see the module's docstring)."""
+    policy = record.spec.straggler_policy
+    job_id = record.job_id
+    kept = p.members[job_id]
+    if policy.mode == "off" or record.phase != JobPhase.RUNNING or len(kept) < 2:
+        _forget_reports(p, record, kept)
+        return
+    reports = current_statuses(kept, p.view.statuses.get(job_id, {}))
+    found = []
+    if len(reports) == len(kept):  # every node of the round reports: compare them
+        found = find_stragglers(job_paces(reports), policy, members=len(kept),
+                                min_nodes=record.spec.min_nodes)
+    for straggler in found:
+        if straggler.action == "evict":
+            _evict(p, record, straggler)
+        else:
+            _report(p, record, straggler)
+    _forget_reports(p, record, kept)
+
+
+def _evict(p: SchedulerPass, record: JobRecord, straggler: Straggler) -> None:
+    """Take the node out of the job (as a drain does) and mark it slow for the cool-down."""
+    job_id, node_id = record.job_id, straggler.node_id
+    assignment = p.members[job_id].pop(node_id)
+    p.adjust(node_id, assignment.nproc_per_node)
+    change = p.change(job_id)
+    change.delete.append(node_id)
+    mark = SlowMark(
+        node_id=node_id, job_id=job_id, ratio=round(straggler.ratio, 3), since=p.now,
+        until=p.now + timedelta(seconds=p.policy.straggler_cooldown_s),
+    )
+    change.slow[node_id] = p.slow[node_id] = mark
+    p.count_restart(job_id, EventReason.STRAGGLER_EVICTED)
+    p.event(job_id, EventReason.STRAGGLER_EVICTED,
+            f"evicted {node_id}, a straggler: {straggler.reason}", [node_id])
+
+
+def _report(p: SchedulerPass, record: JobRecord, straggler: Straggler) -> None:
+    """Say once per node and generation that it is a straggler."""
+    job_id, node_id = record.job_id, straggler.node_id
+    generation = p.members[job_id][node_id].generation
+    current = p.changes[job_id].record if job_id in p.changes else record
+    if current.stragglers.get(node_id) == generation:
+        return  # said already
+    p.change(job_id).record.stragglers[node_id] = generation
+    p.event(job_id, EventReason.STRAGGLER_REPORTED,
+            f"{node_id} is a straggler: {straggler.reason}", [node_id])
+
+
+def _forget_reports(p: SchedulerPass, record: JobRecord, kept: Mapping[str, object]) -> None:
+    """Drop the remembered reports of nodes that are no longer in the job."""
+    job_id = record.job_id
+    current = p.changes[job_id].record if job_id in p.changes else record
+    stale = [n for n in current.stragglers if n not in kept]
+    if stale:
+        reported = p.change(job_id).record.stragglers
+        for node_id in stale:
+            del reported[node_id]

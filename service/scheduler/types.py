@@ -18,7 +18,7 @@ from datetime import datetime
 
 from rendezvous.records import Assignment, JobNodeStatus
 from rendezvous.registry import NodeInfo
-from service.api.models import JobEvent, JobRecord
+from service.api.models import JobEvent, JobRecord, SlowMark
 from service.api.queues import QueueSpec, Usage, queue_usage
 
 
@@ -32,10 +32,14 @@ class ClusterView:
     assignments: dict[str, dict[str, Assignment]] = field(default_factory=dict)  # job -> node ->
     statuses: dict[str, dict[str, JobNodeStatus]] = field(default_factory=dict)  # job -> node ->
     queues: dict[str, QueueSpec] = field(default_factory=dict)  # name -> (default: implicit)
+    # node -> its `slow` mark (a straggler's cool-down), expired ones included
+    slow: dict[str, SlowMark] = field(default_factory=dict)
 
 
 #: How long a job that cannot fit waits before its nodes are reserved (see Policy).
 RESERVE_AFTER_S = 60.0
+#: How long a node evicted as a straggler gets no new placements (see Policy).
+STRAGGLER_COOLDOWN_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,12 @@ class Policy:
 
     ``reserve_after_s``: a waiting job that has not fitted for this long gets a
     reservation (:class:`Reservation`); ``math.inf`` turns reservations off.
+    ``straggler_cooldown_s``: a node evicted from a job as a straggler gets no new
+    placements for this long (:mod:`service.scheduler.stragglers`).
     """
 
     reserve_after_s: float = RESERVE_AFTER_S
+    straggler_cooldown_s: float = STRAGGLER_COOLDOWN_S
 
 
 #: The coordinator's policy, the default of a pass.
@@ -84,6 +91,8 @@ class JobChange:
     events: list[JobEvent] = field(default_factory=list)
     # the job whose waiting made this job give slots back (see Reclaim), if any
     reclaimed_for: str | None = None
+    # node -> the `slow` mark its eviction from this job as a straggler writes
+    slow: dict[str, SlowMark] = field(default_factory=dict)
 
     @property
     def decisions(self) -> int:

@@ -204,7 +204,7 @@ def nodes_router(*, store: JobStore, on_change: Callable[[], None]) -> APIRouter
 
     @router.get("/v1/nodes")
     def list_nodes() -> list[NodeView]:
-        """Live nodes: state, slots, labels and the jobs on each."""
+        """Live nodes: state, slots, labels, the jobs on each, and the ``slow`` condition."""
         return node_views(store.snapshot())
 
     @router.post("/v1/nodes/{node_id}/drain")
@@ -214,7 +214,7 @@ def nodes_router(*, store: JobStore, on_change: Callable[[], None]) -> APIRouter
 
     @router.delete("/v1/nodes/{node_id}/drain")
     def undrain_node(node_id: NodeId) -> NodeView:
-        """Put a drained node back in service."""
+        """Put a drained node back in service; clears its ``slow`` condition too."""
         return set_drain(node_id, False)
 
     return router

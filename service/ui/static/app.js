@@ -24,7 +24,7 @@
   // failure); each one's recovery lasts until the job runs again.
   const DISRUPTIONS = new Set([
     "node_lost", "node_drained", "node_joined", "scaled_by_user", "restart_charged",
-    "below_min_nodes", "reclaimed", "preempted",
+    "below_min_nodes", "reclaimed", "preempted", "straggler_evicted",
   ]);
   // The reasons of the event that says the job runs again at its new size.
   const RESUMED = new Set(["restarted", "resized_live"]);
@@ -361,6 +361,17 @@
     return cell;
   }
 
+  // live or draining, and the `slow` condition of a straggler cooling down.
+  function stateOf(node) {
+    const slow = node.slow;
+    if (!slow) return node.state;
+    const since = new Date(slow.since).toLocaleTimeString();
+    return el("span", {}, node.state + ", ",
+              el("span", {class: "error", title: "evicted from " + slow.job_id + "; no new jobs until " +
+                          new Date(slow.until).toLocaleTimeString() + " (tidal undrain clears it)"},
+                 "slow " + Number(slow.ratio).toFixed(2) + "x since " + since));
+  }
+
   function nodeJobs(jobs) {
     const cell = el("td", {});
     jobs.forEach((jobId, i) => {
@@ -378,7 +389,7 @@
     const rows = nodes.map((node) => el("tr", {"data-node": node.node_id},
       el("td", {}, node.node_id),
       el("td", {}, node.host),
-      el("td", {}, node.state),
+      el("td", {}, stateOf(node)),
       el("td", {class: "num"}, node.slots_used + " / " + node.slots),
       el("td", {}, gpusOf(node)),
       el("td", {}, Object.entries(node.labels || {}).map(([k, v]) => k + "=" + v).join(", ") || "—"),

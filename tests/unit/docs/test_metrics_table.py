@@ -52,6 +52,8 @@ def coordinator_registry() -> CollectorRegistry:
     sim.join(make_node("n1"), make_node("n2"))
     sim.submit(make_job("j", min_nodes=1, max_nodes=2))
     sim.settle()
+    for node in ("n1", "n2"):  # a full straggler window: the nodes' pace ratios
+        sim.report("j", node, paces=[(s, 1.0) for s in range(20)])
     snap = Snapshot(revision=1, view=sim.view, job_revisions={"j": 1})
     metrics.observe_snapshot(snap)
     sim.kill("n2")

@@ -64,6 +64,7 @@ def apply(view: ClusterView, changes: list[JobChange]) -> ClusterView:
     """
     jobs = dict(view.jobs)
     assignments = {job: dict(per_node) for job, per_node in view.assignments.items()}
+    slow = dict(view.slow)
     for change in changes:
         assert change.job_id in jobs, f"a change for unknown job {change.job_id}"
         assert change.record.job_id == change.job_id
@@ -79,7 +80,8 @@ def apply(view: ClusterView, changes: list[JobChange]) -> ClusterView:
         per_node.update(change.put)
         if not per_node:
             del assignments[change.job_id]
-    return replace(view, jobs=jobs, assignments=assignments)
+        slow.update(change.slow)  # a straggler's mark, in the same transaction
+    return replace(view, jobs=jobs, assignments=assignments, slow=slow)
 
 
 @dataclass
@@ -174,7 +176,9 @@ class Sim:
         self.view = replace(self.view, draining=self.view.draining | frozenset(node_ids))
 
     def undrain(self, *node_ids: str) -> None:
-        self.view = replace(self.view, draining=self.view.draining - frozenset(node_ids))
+        """What ``tidal undrain`` does: the drain goes, and the node's slow mark."""
+        self.view = replace(self.view, draining=self.view.draining - frozenset(node_ids),
+                            slow={n: m for n, m in self.view.slow.items() if n not in node_ids})
 
     # the agents ----------------------------------------------------------------------
 
@@ -192,13 +196,15 @@ class Sim:
         charged: int = 0,
         remaining_restarts: int = 0,
         last_resize: str | None = None,
+        paces: list[tuple[int, float]] | None = None,
     ) -> None:
         """``node_id``'s agent reports ``state`` for its assignment of ``job_id``.
 
         Unless given, the generation is the assignment's and the world size the
         job's current one (assigned nodes times processes per node). ``charged``:
         the restarts the agent charged to the node's budget in this generation;
-        ``last_resize``: the path its last membership change took (agent.runner.live_decide).
+        ``last_resize``: the path its last membership change took (agent.runner.live_decide);
+        ``paces``: its slowest rank's pace per recent step (agent.progress.node_paces).
         """
         if generation is None:
             generation = self.view.assignments[job_id][node_id].generation
@@ -210,7 +216,7 @@ class Sim:
             last_step=last_step, remaining_restarts=remaining_restarts,
             restart_count=charged,
             restart_reasons={"worker_failed": charged} if charged else {},
-            last_resize=last_resize,
+            last_resize=last_resize, paces=paces or [],
         )
         statuses = {job: dict(per_node) for job, per_node in self.view.statuses.items()}
         statuses.setdefault(job_id, {})[node_id] = status
