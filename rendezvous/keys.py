@@ -158,6 +158,18 @@ class Keys:
     def drain(self, node_id: str) -> str:
         return self.drains_prefix() + validate_id(node_id, what="node id")
 
+    # slow nodes (written by the coordinator): P/slow/<node>, a node's `slow`
+    # condition after a straggler eviction (service.api.models.SlowMark)
+    def slow_prefix(self) -> str:
+        return f"{self.root}/slow/"
+
+    def slow(self, node_id: str) -> str:
+        return self.slow_prefix() + validate_id(node_id, what="node id")
+
+    def slow_node(self, key: str) -> str | None:
+        """The node id of a :meth:`slow` key, else None."""
+        return self.id_under(self.slow_prefix(), key)
+
     # queues (written by the coordinator, on the admin's request)
     def queues_prefix(self) -> str:
         return f"{self.root}/queues/"
