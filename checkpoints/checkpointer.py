@@ -180,6 +180,9 @@ class Checkpointer(LiveResizing):
         self._previous_world_size = self.world_size
         self._on_resize = on_resize
         self._live = self._make_live_link(on_resize)
+        # A collective blocked on a peer that hangs is cut short when the runner says
+        # the peer is lost (checkpoints.live.unblock).
+        self._unblock = self._make_unblocker()
         if self._live is not None:
             self._live.report(LiveState.READY, step=None)
 
@@ -439,6 +442,8 @@ class Checkpointer(LiveResizing):
         self._pace.close()
         if self._live is not None:  # no longer able to resize: the runner restarts instead
             self._live.withdraw()
+        if self._unblock is not None:
+            self._unblock.stop()
         self._saver.raise_if_failed()
 
     def __enter__(self) -> Checkpointer:

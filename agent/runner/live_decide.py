@@ -71,6 +71,7 @@ def blocker(
 def resize_outcome(
     workers: Mapping[int, WorkerLive], local_ranks: Collection[int], round_: int, *,
     exited: bool, superseded: bool, now: float, deadline: float,
+    ack_deadline: float | None = None,
 ) -> str:
     """Where a live resize into ``round_`` stands on this node.
 
@@ -82,6 +83,11 @@ def resize_outcome(
         superseded: the round is obsolete already (a member lost, or the
             others went on without this node).
         now / deadline: the runner's clock and when it gives up.
+        ack_deadline: for an in-place recovery (a member lost), when every
+            worker must have caught its failed collective (said ``resizing``,
+            or ``resized`` into ``round_``): one still blocked (a peer that
+            hangs without closing its sockets, which gloo cannot cut short)
+            is not waited for until ``deadline``.
 
     Returns:
         :data:`DONE` once every worker says ``resized`` into ``round_`` (or
@@ -98,6 +104,12 @@ def resize_outcome(
     if superseded:
         return MEMBERSHIP_CHANGED
     if now >= deadline:
+        return TIMEOUT
+    if ack_deadline is not None and now >= ack_deadline and not all(
+        (w := workers.get(lr)) is not None and (
+            w.state == LiveState.RESIZING or (w.state == LiveState.RESIZED and w.round >= round_))
+        for lr in local_ranks
+    ):
         return TIMEOUT
     return WAITING
 

@@ -50,6 +50,11 @@ log = logging.getLogger("tidal.runner")
 # (rdzv_conf "live_timeout"), how often the runner looks, and how much of the
 # grace period a planned leave leaves to the restart path if it gives up.
 LIVE_TIMEOUT_S = 60.0
+# An in-place recovery: how long after the runner's lost notice every worker must
+# have caught its failed collective. gloo raises within about 0.15 s of a killed
+# peer's sockets closing; a worker still blocked after this is stuck on a peer
+# that hangs without a FIN, which gloo cannot cut short: restart instead.
+LOST_ACK_S = 2.0
 LIVE_POLL_S = 0.02
 LEAVE_MARGIN_S = 5.0
 
@@ -137,7 +142,8 @@ class LivePath:
         new_members = self._handler.participants()
         round_ = self._handler.current_round()
         step = restarts.after_live(change.kind, self._budget,
-                                   self._tell_and_await(round_, lost=lost))
+                                   self._tell_and_await(round_,
+                                                        lost_since=noticed if lost else None))
         self._resizing = False
         reason = step.resize or "lost"
         if step.action is Action.LIVE:
@@ -159,10 +165,12 @@ class LivePath:
         self._start_group()
         return new_members
 
-    def _tell_and_await(self, round_: int, *, lost: bool = False) -> str:
+    def _tell_and_await(self, round_: int, *, lost_since: float | None = None) -> str:
         """Tell the workers round ``round_``; wait until they resized into it (bounded).
 
-        ``lost``: the round recovers from a member lost (the notice says so).
+        ``lost_since``: the round recovers from a member lost, noticed then
+        (monotonic): the notice says so, and every worker must have caught
+        its failed collective :data:`LOST_ACK_S` after it.
 
         Returns :data:`agent.runner.live_decide.DONE` or the cause to fall back for.
         """
@@ -173,7 +181,8 @@ class LivePath:
             master_port=int(group.master_port or 0),
             world_size=group.workers[0].world_size if group.workers else 0,
             ranks={w.local_rank: w.global_rank for w in group.workers}, written_at=time.time(),
-            group_rank=group.group_rank, group_world_size=group.group_world_size, lost=lost,
+            group_rank=group.group_rank, group_world_size=group.group_world_size,
+            lost=lost_since is not None,
         )
         try:
             write_resize_notice(self._progress_dir, notice)
@@ -182,13 +191,14 @@ class LivePath:
             return NOT_CAPABLE
         local_ranks = [w.local_rank for w in group.workers]
         deadline = time.monotonic() + self._live_timeout_s
+        ack_deadline = lost_since + LOST_ACK_S if lost_since is not None else None
         while True:
             change = self._handler.pending_change()
             outcome = live.resize_outcome(
                 live.read_workers(self._progress_dir, local_ranks), local_ranks, round_,
                 exited=not all(alive(pid) for pid in self._pcontext.pids().values()),
                 superseded=change is not None and change.kind not in restarts.PLANNED,
-                now=time.monotonic(), deadline=deadline,
+                now=time.monotonic(), deadline=deadline, ack_deadline=ack_deadline,
             )
             if outcome != live.WAITING:
                 return outcome

@@ -42,6 +42,7 @@ from checkpoints.live import (
     rejoin,
     sync_state,
 )
+from checkpoints.live.unblock import Unblocker
 from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter
 from checkpoints.restoring import Resume
 from checkpoints.saving import Saves
@@ -78,6 +79,7 @@ class LiveResizing:
     _previous_world_size: int
     _on_resize: Callable[[Resize], None] | None
     _live: WorkerLink | None
+    _unblock: Unblocker | None
     # The checkpointer's methods this part calls.
     _init_distributed: Callable[[], None]
     _make_jit: Callable[[bool], JustInTimeSaver | None]
@@ -99,6 +101,19 @@ class LiveResizing:
             log.warning("no live resize with sharded state: a resize restarts the workers")
             return None
         return WorkerLink(Path(directory), local_rank=self._local_rank)
+
+    def _make_unblocker(self) -> Unblocker | None:
+        """The watchdog that gets a collective blocked on a hung peer out (live path only)."""
+        if self._live is None:
+            return None
+        unblock = Unblocker(self._live.directory).start()
+        unblock.record()
+        return unblock
+
+    def _groups_formed(self) -> None:
+        """After a re-form: the watchdog guards the new groups' sockets."""
+        if self._unblock is not None:
+            self._unblock.record()
 
     def _act_live(self, step: int, agreed_round: int) -> None:
         """At the boundary where the ranks agreed on a newer round: leave, resize, or go on."""
@@ -146,8 +161,11 @@ class LiveResizing:
         self._live.report(LiveState.RESIZING, step=step)
         self._previous_world_size = self.world_size
         self._quiesce()
+        if self._unblock is not None:
+            self._unblock.handled()
         rejoin(notice, local_rank=self._local_rank)
         self._init_distributed()
+        self._groups_formed()
         self._progress.rebind(rank=self.rank, world_size=self.world_size)
         self._jit = self._make_jit(self._jit_wanted)
         synced = self._sync_live()
@@ -205,6 +223,7 @@ class LiveResizing:
         self._previous_world_size = self.world_size
         rejoin(notice, local_rank=self._local_rank)
         self._init_distributed()
+        self._groups_formed()
         self._progress.rebind(rank=self.rank, world_size=self.world_size)
         joined = time.monotonic()
         synced = self._sync_live()
@@ -233,6 +252,8 @@ class LiveResizing:
 
     def _abandon(self) -> None:
         """Before a broken group goes away: nothing of ours waits on it (no drain)."""
+        if self._unblock is not None:
+            self._unblock.handled()
         if self._jit is not None:
             self._jit.disarm()
             self._jit = None

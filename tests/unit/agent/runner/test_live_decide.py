@@ -76,6 +76,23 @@ def test_a_live_resize_is_done_once_every_worker_resized_into_the_round() -> Non
     assert outcome({0: worker(101, resized, 3)}) == live.WAITING
 
 
+def test_an_in_place_recovery_gives_up_on_a_worker_still_blocked_at_the_ack_deadline() -> None:
+    resized, resizing, ready = LiveState.RESIZED, LiveState.RESIZING, LiveState.READY
+
+    def lost(workers: dict[int, WorkerLive], now: float) -> str:
+        return live.resize_outcome(workers, [0, 1], 3, exited=False, superseded=False,
+                                   now=now, deadline=10.0, ack_deadline=2.0)
+
+    # Both caught the failed collective: waited for until the deadline.
+    assert lost({0: worker(101, resizing, 2), 1: worker(102, resized, 3)}, 5.0) == live.WAITING
+    # One still blocked in it (a peer hanging, no FIN): given up on at the ack deadline.
+    blocked = {0: worker(101, resizing, 2), 1: worker(102, ready)}
+    assert lost(blocked, 1.9) == live.WAITING
+    assert lost(blocked, 2.0) == TIMEOUT
+    assert lost({0: worker(101, resized, 3), 1: worker(102, resized, 2)}, 2.0) == TIMEOUT
+    assert lost({0: worker(101, resized, 3), 1: worker(102, resized, 3)}, 9.0) == live.DONE
+
+
 def test_a_live_resize_falls_back_on_an_exit_another_change_or_its_deadline() -> None:
     pending = {0: worker(101, LiveState.RESIZING, 2), 1: worker(102, LiveState.READY)}
     assert outcome(pending, exited=True) == WORKER_EXITED
