@@ -16,9 +16,12 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/events/<job>/<seq>            job lifecycle events
     P/rdzv/<job>/state              torch elastic rendezvous state (etcd-v3 backend)
     P/rdzv/<job>/store/<key>        the c10d Store of that rendezvous
-    P/rdzv/<job>/assigned/joins/<node>   the agents' rendezvous (rendezvous.elastic.assigned):
-    P/rdzv/<job>/assigned/round          a node's join record, the last round,
-    P/rdzv/<job>/assigned/closed         and the mark of a finished job
+    P/rdzv/<job>/assigned/m/join/<node>  the agents' rendezvous (rendezvous.elastic.assigned):
+    P/rdzv/<job>/assigned/m/lost/<node>  a node's join record, a dead incarnation (its ring
+    P/rdzv/<job>/assigned/ctl/state      peer's word), the round's state, its writer (leader),
+    P/rdzv/<job>/assigned/ctl/leader     the mark of a finished job, and each member's rank
+    P/rdzv/<job>/assigned/ctl/closed     in the round (read by that member only)
+    P/rdzv/<job>/assigned/rank/<node>
     P/rdzv/<job>/store/<round>/<key>     the c10d store of each of its rounds
     P/election/<name>/<lease>       leader election candidates
 """
@@ -211,17 +214,40 @@ class Keys:
     def assigned_prefix(self, run_id: str) -> str:
         return self.rdzv_prefix(run_id) + "assigned/"
 
+    def assigned_members_prefix(self, run_id: str) -> str:
+        """What the round's leader watches: every join record and every lost mark."""
+        return self.assigned_prefix(run_id) + "m/"
+
     def assigned_joins_prefix(self, run_id: str) -> str:
-        return self.assigned_prefix(run_id) + "joins/"
+        return self.assigned_members_prefix(run_id) + "join/"
 
     def assigned_join(self, run_id: str, node_id: str) -> str:
         return self.assigned_joins_prefix(run_id) + validate_id(node_id, what="node id")
 
-    def assigned_round(self, run_id: str) -> str:
-        return self.assigned_prefix(run_id) + "round"
+    def assigned_lost_prefix(self, run_id: str) -> str:
+        return self.assigned_members_prefix(run_id) + "lost/"
+
+    def assigned_lost(self, run_id: str, node_id: str) -> str:
+        return self.assigned_lost_prefix(run_id) + validate_id(node_id, what="node id")
+
+    def assigned_ctl_prefix(self, run_id: str) -> str:
+        """What every member watches: three small keys."""
+        return self.assigned_prefix(run_id) + "ctl/"
+
+    def assigned_state(self, run_id: str) -> str:
+        return self.assigned_ctl_prefix(run_id) + "state"
+
+    def assigned_leader(self, run_id: str) -> str:
+        return self.assigned_ctl_prefix(run_id) + "leader"
 
     def assigned_closed(self, run_id: str) -> str:
-        return self.assigned_prefix(run_id) + "closed"
+        return self.assigned_ctl_prefix(run_id) + "closed"
+
+    def assigned_ranks_prefix(self, run_id: str) -> str:
+        return self.assigned_prefix(run_id) + "rank/"
+
+    def assigned_rank(self, run_id: str, node_id: str) -> str:
+        return self.assigned_ranks_prefix(run_id) + validate_id(node_id, what="node id")
 
     def round_store_prefix(self, run_id: str, round_: int) -> str:
         if round_ < 0:

@@ -17,7 +17,7 @@ from agent.admission import record_nodes
 from agent.spec import RunnerSpec, job_command
 from rendezvous.elastic.assigned import AssignedRendezvousHandler
 from rendezvous.elastic.assigned_rounds import Fence
-from rendezvous.etcd import EtcdClient
+from rendezvous.etcd import EtcdClient, Get
 from rendezvous.keys import Keys
 from rendezvous.records import JobNodeState, JobNodeStatus
 
@@ -35,12 +35,15 @@ def assigned_nodes(client: EtcdClient, keys: Keys, job_id: str) -> set[str]:
     after it.
     """
     record = client.get(keys.job(job_id))
-    assigned = set(record_nodes(job_id, None if record is None else record.value))
-    if not assigned:
-        return assigned
-    live, _ = client.get_prefix(keys.nodes_prefix())
-    registered = {node for kv in live if (node := keys.node_of(kv.key)) is not None}
-    return assigned & registered
+    assigned = sorted(record_nodes(job_id, None if record is None else record.value))
+    # Only the round leader calls this, once per round; it reads the job's own
+    # nodes' keys (in transactions of at most 64 reads), not the whole nodes/ prefix.
+    registered: set[str] = set()
+    for start in range(0, len(assigned), 64):
+        chunk = assigned[start:start + 64]
+        result = client.txn([], [Get(keys.node(n)) for n in chunk])
+        registered |= {node for node, kvs in zip(chunk, result.gets, strict=True) if kvs}
+    return registered
 
 
 def initial_status(spec: RunnerSpec, pid: int) -> JobNodeStatus:

@@ -12,37 +12,47 @@ of tidal's 9.2 s recovery (docs/benchmarks.md). tidal's runners know more:
   whose connection drops, is gone; a hung or cut-off peer is caught by its
   lease instead, which etcd deletes ``lease_ttl_s`` after its last renewal.
 
-So a round completes the moment every expected, living node has joined it:
-no timers. Layout, under ``P/rdzv/<job>/assigned/``::
+So a round completes the moment a member is known lost, leaves, or a node
+waits to come in: no timers. One member writes rounds, the *leader*
+(:mod:`rendezvous.elastic.assigned_leader`: fenced by its key's create revision); the
+others read O(1) small records (:mod:`rendezvous.elastic.assigned_state`). Layout,
+under ``P/rdzv/<job>/assigned/`` (:mod:`rendezvous.keys`)::
 
-    joins/<node>   JoinRecord: the round the node wants, its liveness
-                   address, an incarnation id, whether it is leaving (a
-                   planned leave); under the runner's lease
-    round          RoundRecord: the last completed round, its members in rank
-                   order with their liveness addresses; written by
-                   compare-and-set on its mod revision by whichever joiner
-                   saw the round complete
-    closed         present once the job ended (``shutdown``)
+    m/join/<node>  JoinRecord: the round the node wants, its liveness address,
+                   an incarnation id, whether it is leaving; under the runner's
+                   lease. Only the leader watches m/.
+    m/lost/<node>  the incarnation a ring peer saw die (its liveness socket
+                   closed); written by that peer
+    ctl/leader     the leader's node, under its join lease (created if absent)
+    ctl/state      StateRecord: the last round's number and size, why it formed,
+                   a pending change, the leader and its deputy. Every member
+                   watches ctl/ (three small keys).
+    ctl/closed     present once the job ended (``shutdown``)
+    rank/<node>    RankRecord: the node's rank in the last round and its ring
+                   peers; read by that node once per round
 
 and each round gets a fresh c10d store at ``P/rdzv/<job>/store/<round>/``
 (:class:`~rendezvous.elastic.store.EtcdV3Store`).
 
-A round's members learn that it is obsolete through :meth:`pending_change`:
-a member was lost (its lease ended, its liveness connection dropped, or it
-came back as a new incarnation), a member is leaving (a planned leave,
-:meth:`announce_leaving`), a node is waiting (a newcomer, or a member whose
-workers failed and that re-joined), or a later round was completed without
-this node. The runner (:mod:`agent.runner.elastic`) asks on every monitor
-tick; it costs no etcd call. The records, and what is decided from them
-(rank order, completion, obsolescence), are pure and live in
-:mod:`rendezvous.elastic.assigned_rounds`; this node's own join record is put, put
-back and withdrawn by :mod:`rendezvous.elastic.assigned_join`; this handler reads,
-probes and writes rounds.
+Liveness is a ring: each member holds a connection to :data:`RING_K` successors
+in rank order (kept across rounds), and marks a peer whose connection dropped
+``m/lost/<peer>`` (deleting ``ctl/leader`` too if the peer led): the leader
+forms the next round at once. A hung or cut-off member is caught by its lease,
+whose end deletes its join record (and its leader key). When the leader key is
+gone the deputy named in the state takes it at once; any member does after
+``lease_ttl_s`` with no leader.
+
+A round's members learn that it is obsolete through :meth:`pending_change`
+(:func:`rendezvous.elastic.assigned_state.member_change`): the next round was
+formed (lost, leaving or waiting, with the nodes; *superseded* if without this
+node), a change is pending that cannot form a round yet, or a ring peer of
+this node died. The runner (:mod:`agent.runner.elastic`) asks on every monitor
+tick; it costs no etcd call.
 
 An etcd outage does not break a running round: leases survive a restarted
 etcd, and a runner that lost its lease while etcd was unreachable puts its
-record back under a new lease once etcd answers, without restarting its
-workers (unless the others went on without it meanwhile).
+record back under a new lease once etcd answers (the leader then forms a round
+without it, and one with it again).
 
 A join record is *fenced* by the node's assignment (``fence``): a runner
 whose assignment is gone or rewritten cannot join again
@@ -70,35 +80,28 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rendezvous.elastic.assigned_join import AssignmentWithdrawnError, JoinRecordKeeper
-from rendezvous.elastic.assigned_rounds import (
-    Change,
-    Fence,
-    JoinRecord,
-    Member,
-    RoundRecord,
-    behind,
-    complete_round,
-    pending_change,
-    staying_peers,
-    waiting_nodes,
+from rendezvous.elastic.assigned_leader import RECORD_TTL_S, RoundLeader, mark_lost, read_round
+from rendezvous.elastic.assigned_rounds import WAITING, Change, Fence, Member
+from rendezvous.elastic.assigned_state import (
+    RING_K,
+    Peer,
+    RankRecord,
+    StateRecord,
+    member_change,
 )
-from rendezvous.elastic.liveness import LivenessServer, PeerMonitor, Probe, probe
-from rendezvous.elastic.store import EtcdV3Store
+from rendezvous.elastic.liveness import LivenessServer, PeerMonitor
+from rendezvous.elastic.store import EtcdV3Store, LeaseCache
 from rendezvous.errors import EtcdError
-from rendezvous.etcd import Compare, Delete, EtcdClient, Put, WatchEvent
+from rendezvous.etcd import Compare, EtcdClient, Put, WatchEvent
 from rendezvous.keys import Keys, validate_id
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "AssignedRendezvousHandler", "AssignmentWithdrawnError"]
+__all__ = ["BACKEND_NAME", "RING_K", "AssignedRendezvousHandler", "AssignmentWithdrawnError"]
 
 BACKEND_NAME = "tidal-assigned"
-# The round and closed records outlive every runner (they carry no runner's
-# lease) but not the job by much: they expire this long after the last change.
-RECORD_TTL_S = 2 * 3600
-# While waiting, membership is re-evaluated on every watch event and at least
-# this often (for probes, and for assignments, which are not watched).
+# While waiting, the state is looked at on every watch event and at least this often.
 REEVALUATE_S = 0.25
 
 
@@ -115,7 +118,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         root: the etcd key root.
         expected_nodes: returns the nodes assigned to the job (that are
             alive); a round waits for those of them that have not joined, for
-            at most ``assigned_wait_s`` from the start of the wait. None:
+            at most ``assigned_wait_s``. Called by the leader only. None:
             wait only for nodes that announced themselves.
         lease_ttl_s: the TTL of this node's join record: how long a hung or
             cut-off node holds up the others.
@@ -155,34 +158,39 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._keys = Keys(root)
         self._expected_nodes = expected_nodes
         self._assigned_wait_s = assigned_wait_s
+        self._lease_ttl_s = lease_ttl_s
         self._join_timeout_s = join_timeout_s
         self._store_timeout = datetime.timedelta(seconds=store_timeout_s)
-        self._joins_prefix = self._keys.assigned_joins_prefix(run_id)
-        self._round_key = self._keys.assigned_round(run_id)
+        self._state_key = self._keys.assigned_state(run_id)
+        self._leader_key = self._keys.assigned_leader(run_id)
         self._closed_key = self._keys.assigned_closed(run_id)
-        self._prefix = self._keys.assigned_prefix(run_id)
 
         self._cond = threading.Condition()
-        self._joins: dict[str, JoinRecord] = {}
-        self._round: RoundRecord | None = None
-        self._round_rev = 0  # mod revision of the round key; 0: absent
+        self._state: StateRecord | None = None
+        self._leader: tuple[str, int] | None = None  # (node, create revision) of ctl/leader
+        self._leader_gone_at = time.monotonic()
         self._closed = False
-        self._dead: set[str] = set()  # incarnations known dead
-        self._mine: RoundRecord | None = None  # the round this node is in
-        self._lost: set[str] = set()  # members of that round lost since
+        self._mine = 0  # the number of the round this node is in; 0: none
+        self._rank: RankRecord | None = None  # this node's record in that round
+        self._latest: RankRecord | None = None  # its record in the state's round, if in it
+        self._checked = 0  # the state round whose rank record was read
+        self._lost: set[str] = set()  # ring peers seen dead since this node's round formed
+        self._ring: dict[str, Peer] = {}
+        self._roster: tuple[int, frozenset[str]] = (0, frozenset())
         self._incarnation = uuid.uuid4().hex[:12]
 
         self._server: LivenessServer | None = None
         self._monitor: PeerMonitor | None = None
         self._watcher: PrefixWatcher | None = None
+        self._leading: RoundLeader | None = None
+        self._seat: threading.Thread | None = None
         self._stopped = threading.Event()
         self._join = JoinRecordKeeper(
             client, self._keys, run_id=self._run_id, node_id=self._node,
             lease_ttl_s=lease_ttl_s, join_timeout_s=join_timeout_s, fence=fence,
             stopped=self._stopped,
         )
-        self._record_lease = 0
-        self._record_lease_until = 0.0
+        self._records = LeaseCache(client, RECORD_TTL_S)
 
     # RendezvousHandler -----------------------------------------------------
 
@@ -203,12 +211,16 @@ class AssignedRendezvousHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         self._start()
-        self._put_record(self._closed_key, b"1")
+        try:
+            self._records.with_lease(lambda lease: self._client.put(self._closed_key, b"1",
+                                                                    lease=lease))
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"job {self._run_id}: {exc}") from exc
 
     def num_nodes_waiting(self) -> int:
         """Nodes (newcomers, or members that re-joined) that want a later round."""
-        with self._cond:
-            return len(waiting_nodes(self._node, self._mine, self._joins, self._dead, self._max))
+        change = self.pending_change()
+        return len(change.nodes) if change is not None and change.kind == WAITING else 0
 
     def shutdown(self) -> bool:
         """Close the rendezvous for every node (the job is over) and release."""
@@ -225,67 +237,52 @@ class AssignedRendezvousHandler(RendezvousHandler):
         """Join the next round; return when it completed with this node in it."""
         self._start()
         with self._cond:
-            self._mine = None
-            self._lost.clear()
-            target = (self._round.round if self._round else 0) + 1
-        if self._monitor is not None:
-            self._monitor.clear()
-        self._join.put(target)
-        started = time.monotonic()
-        deadline = started + self._join_timeout_s
-        assigned_until = started + self._assigned_wait_s
-        expected: frozenset[str] = frozenset()
-        expected_at = -1.0
+            mine = self._mine
+        deadline = time.monotonic() + self._join_timeout_s
         while True:
-            now = time.monotonic()
             with self._cond:
                 if self._closed:
                     raise RendezvousClosedError(f"the rendezvous of job {self._run_id} is closed")
                 if self._stopped.is_set():
                     raise RendezvousClosedError("this node left the rendezvous")
-                current = self._round
-                if current is not None and current.round >= target:
-                    if self._node in current.nodes():
-                        self._mine = current
-                        break
-                    target = current.round + 1  # it completed without us: the next one
-                    wait_for_next = True
-                else:
-                    wait_for_next = False
-            if wait_for_next:
-                self._join.put(target)
+                state, checked, latest = self._state, self._checked, self._latest
+            newer = state is not None and state.round > mine
+            if newer and checked < state.round:  # type: ignore[union-attr]
+                self._check_latest(state)  # type: ignore[arg-type]
                 continue
-            if now < assigned_until and self._expected_nodes is not None and now - expected_at > 1:
-                expected = frozenset(self._read_expected())
-                expected_at = now
-            elif now >= assigned_until:
-                expected = frozenset()
-            members = self._complete(target, current, expected)
-            if members is not None and self._commit(target, members):
-                continue  # the watch (or _commit) installed the round
-            if now > deadline:
+            if newer and latest is not None and latest.round == state.round:  # type: ignore[union-attr]
+                break
+            want = (state.round if state is not None else 0) + 1
+            if self._join.wanted < want:
+                self._join.put(want)  # a newcomer, a member not in the latest, or a restart
+            if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
-                    f"job {self._run_id}: round {target} did not gather min_nodes={self._min} "
+                    f"job {self._run_id}: round {want} did not gather min_nodes={self._min} "
                     f"within {self._join_timeout_s:.0f} s"
                 )
             with self._cond:
                 self._cond.wait(REEVALUATE_S)
-        return self._round_info(self._mine)
+        assert state is not None and latest is not None
+        return self._enter(state, latest)
 
     # what the runner asks on every tick ------------------------------------
 
     def pending_change(self) -> Change | None:
         """Why this node's round is obsolete, or None while it holds
-        (:func:`rendezvous.elastic.assigned_rounds.pending_change`)."""
+        (:func:`rendezvous.elastic.assigned_state.member_change`)."""
         with self._cond:
-            return pending_change(self._node, self._mine, self._round, joins=self._joins,
-                                  lost=self._lost, dead=self._dead, max_nodes=self._max)
+            state = self._state
+            in_latest = (state is not None and self._checked == state.round
+                         and self._latest is not None and self._latest.round == state.round)
+            if state is not None and state.round > self._mine and self._checked < state.round:
+                return None  # its rank record is being read
+            return member_change(self._node, self._mine, state, in_latest, self._lost)
 
     def set_bounds(self, min_nodes: int, max_nodes: int) -> None:
         """Take new bounds (a PATCH rewrote the assignment in place): later rounds use them.
 
-        A larger ``max_nodes`` gives a waiting newcomer room at once
-        (:meth:`pending_change`); the current round is not touched otherwise.
+        A larger ``max_nodes`` gives a waiting newcomer room at once (the leader
+        uses its own bounds); the current round is not touched otherwise.
         Bounds that do not make sense are ignored with a warning.
         """
         if not 1 <= min_nodes <= max_nodes:
@@ -298,29 +295,52 @@ class AssignedRendezvousHandler(RendezvousHandler):
     def staying_peers(self) -> frozenset[str]:
         """The other members of this node's round that neither left, nor were lost,
         nor announced a leave: those a planned leave of this node can resize with."""
+        gone = set(self._lost)
         with self._cond:
-            return staying_peers(self._node, self._mine, self._joins, self._lost)
+            state = self._state
+        if state is not None:
+            for change in (state.why if state.round > self._mine else None, state.pending):
+                if change is not None and change.kind != WAITING:
+                    gone |= change.nodes
+        return self.participants() - gone - {self._node}
 
     def current_round(self) -> int:
         """The number of this node's current (or last) round; 0 before its first."""
         with self._cond:
-            return self._mine.round if self._mine else 0
+            return self._mine
 
     def participants(self) -> frozenset[str]:
-        """The members of this node's current (or last) round."""
+        """The members of this node's current (or last) round (read once per round)."""
         with self._cond:
-            return frozenset(self._mine.nodes()) if self._mine else frozenset()
+            mine, (cached, roster) = self._mine, self._roster
+        if mine == 0:
+            return frozenset()
+        if cached == mine:
+            return roster
+        try:
+            nodes = {m.node for m in read_round(self._client, self._keys, self._run_id, mine)}
+        except EtcdError as exc:
+            log.warning("cannot read the members of round %d: %s", mine, exc)
+            return roster | {self._node}
+        with self._cond:
+            self._roster = (mine, frozenset(nodes))
+        return frozenset(nodes)
+
+    def is_leader(self) -> bool:
+        """Whether this node writes the rounds now."""
+        leading = self._leading
+        return leading is not None and leading.leading
 
     def announce_leaving(self) -> bool:
         """Say that this node is on its way out (a planned leave), without leaving yet.
 
         The join record is put again with the same round and incarnation and
-        ``leaving`` set: the other members see :meth:`pending_change` kind
-        ``"leaving"`` and form the next round without this node while its
-        workers go on; :meth:`leave` follows once they are done. The put is
-        not fenced by the assignment (which a planned leave has usually
-        removed already): it only takes this node out of rounds, and holds
-        only while the record is still there under this runner's lease.
+        ``leaving`` set: the leader forms the next round without this node (the
+        others see :meth:`pending_change` kind ``"leaving"``) while its workers
+        go on; :meth:`leave` follows once they are done. The put is not fenced
+        by the assignment (which a planned leave has usually removed already):
+        it only takes this node out of rounds, and holds only while the record
+        is still there under this runner's lease.
 
         Returns:
             Whether the record says leaving now (False: it was gone, or etcd
@@ -337,12 +357,18 @@ class AssignedRendezvousHandler(RendezvousHandler):
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._join.close()  # revokes the lease: deletes the join record at once
+        with self._cond:
+            self._cond.notify_all()
+        if self._leading is not None:
+            self._leading.stop()
+        self._join.close()  # revokes the lease: deletes the join record (and ctl/leader)
         for part in (self._monitor, self._server):
             if part is not None:
                 part.close()
         if self._watcher is not None:
             self._watcher.stop(timeout=5)
+        if self._seat is not None:
+            self._seat.join(timeout=5)
         self._join.join(timeout=5)
 
     # internals ---------------------------------------------------------------
@@ -356,101 +382,64 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._server = LivenessServer(self._addr, name=f"liveness-server {self._node}")
         self._monitor = PeerMonitor(self._on_peer_lost, name=f"peer-monitor {self._node}")
         self._watcher = PrefixWatcher(
-            self._client, self._prefix, on_event=self._on_event,
+            self._client, self._keys.assigned_ctl_prefix(self._run_id), on_event=self._on_event,
             name=f"rendezvous {self._run_id} {self._node}",
         ).start()
         if not self._watcher.wait_synced(self._join_timeout_s):
             raise RendezvousConnectionError(f"job {self._run_id}: cannot read the rendezvous")
         self._join.start(Member(self._node, self._addr, self._server.port, self._incarnation))
+        self._seat = threading.Thread(target=self._keep_seat, name=f"rdzv-seat {self._node}",
+                                      daemon=True)
+        self._seat.start()
 
-    def _read_expected(self) -> Collection[str]:
-        assert self._expected_nodes is not None
+    def _check_latest(self, state: StateRecord) -> None:
+        """Read this node's rank record for ``state``'s round (once per round)."""
         try:
-            return self._expected_nodes()
-        except Exception as exc:  # the assignments are a hint: never fail on them
-            log.warning("cannot read the job's assigned nodes (%s); not waiting for them", exc)
-            return ()
-
-    def _complete(
-        self, target: int, previous: RoundRecord | None, expected: frozenset[str]
-    ) -> tuple[Member, ...] | None:
-        """The members of round ``target`` if it is complete now, else None
-        (:func:`rendezvous.elastic.assigned_rounds.complete_round`, once the nodes
-        behind it were asked whether they live)."""
-        with self._cond:
-            joins = dict(self._joins)
-            dead = set(self._dead)
-        for join in behind(joins, dead, target):
-            if probe(join.member.addr, join.member.port) is Probe.DEAD:
-                log.info("node %s does not answer on its liveness port: not waiting",
-                         join.member.node)
-                dead.add(join.member.incarnation)
-                with self._cond:
-                    self._dead.add(join.member.incarnation)
-        members = complete_round(self._node, target, joins=joins, dead=dead, expected=expected,
-                                 previous=previous, min_nodes=self._min, max_nodes=self._max)
-        if members is not None:
-            log.debug("round %d can complete: %s, expected %s",
-                      target, [m.node for m in members], sorted(expected))
-        return members
-
-    def _commit(self, target: int, members: tuple[Member, ...]) -> bool:
-        """Write round ``target`` if nobody changed the round record meanwhile."""
-        record = RoundRecord(target, members)
-        with self._cond:
-            guard = self._round_rev
-        ops: list[Put | Delete] = [Put(self._round_key, record.to_json(), self._record_lease_id())]
-        if target > 2:  # the store of two rounds ago has no reader left
-            ops.append(Delete(self._store_prefix(target - 2), prefix=True))
-        try:
-            result = self._client.txn([Compare(self._round_key, "mod", "==", guard)], ops)
+            kv = self._client.get(self._keys.assigned_rank(self._run_id, self._node))
+            rank = RankRecord.from_json(kv.value) if kv is not None else None
         except EtcdError as exc:
-            log.warning("cannot write round %d (%s); re-evaluating", target, exc)
-            return False
-        if result.succeeded:
-            log.info("round %d complete: %s", target, ", ".join(record.nodes()))
-            with self._cond:
-                if result.revision > self._round_rev:
-                    self._round, self._round_rev = record, result.revision
-        return result.succeeded
+            log.warning("cannot read this node's rank (%s); retrying", exc)
+            self._stopped.wait(0.1)
+            return
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring a malformed rank record: %s", exc)
+            rank = None
+        with self._cond:
+            if state.round >= self._checked:
+                self._checked = state.round
+                mine = rank is not None and rank.round == state.round and (
+                    rank.member.incarnation == self._incarnation)
+                self._latest = rank if mine else None
+            self._cond.notify_all()
 
-    def _record_lease_id(self) -> int:
-        if time.monotonic() > self._record_lease_until:
-            self._record_lease = self._client.grant_lease(RECORD_TTL_S)
-            self._record_lease_until = time.monotonic() + RECORD_TTL_S / 2
-        return self._record_lease
-
-    def _put_record(self, key: str, value: bytes) -> None:
-        try:
-            self._client.put(key, value, lease=self._record_lease_id())
-        except EtcdError as exc:
-            raise RendezvousConnectionError(f"job {self._run_id}: {exc}") from exc
-
-    def _store_prefix(self, round_: int) -> str:
-        return self._keys.round_store_prefix(self._run_id, round_)
-
-    def _round_info(self, mine: RoundRecord | None) -> RendezvousInfo:
-        assert mine is not None
-        rank = mine.nodes().index(self._node)
+    def _enter(self, state: StateRecord, rank: RankRecord) -> RendezvousInfo:
+        with self._cond:
+            self._mine, self._rank = state.round, rank
+            self._lost.clear()
+            self._ring = {p.member.node: p for p in rank.ring}
         store: Store = EtcdV3Store(
-            self._client, self._store_prefix(mine.round), timeout=self._store_timeout
+            self._client, self._keys.round_store_prefix(self._run_id, state.round),
+            timeout=self._store_timeout,
         )
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
-        peers = {m.node: (m.addr, m.port) for m in mine.members if m.node != self._node}
+        bootstrap = RendezvousStoreInfo.build(rank.rank, store, local_addr=self._addr)
         assert self._monitor is not None
-        self._monitor.watch(peers)
-        log.info("round %d: rank %d of %d", mine.round, rank, len(mine.members))
-        return RendezvousInfo(store, rank, len(mine.members), bootstrap)
+        self._monitor.watch({p.member.node: (p.member.addr, p.member.port) for p in rank.ring})
+        log.info("round %d: rank %d of %d", state.round, rank.rank, state.world)
+        return RendezvousInfo(store, rank.rank, state.world, bootstrap)
 
     def _on_peer_lost(self, node: str) -> None:
+        """A ring peer's liveness socket closed: it died. Say so to the leader."""
         with self._cond:
-            if self._mine is None:
+            peer = self._ring.get(node)
+            state = self._state
+            if peer is None:
                 return
-            for member in self._mine.members:
-                if member.node == node:
-                    self._dead.add(member.incarnation)
-                    self._lost.add(node)
+            self._lost.add(node)
             self._cond.notify_all()
+        led = state is not None and state.leader == node
+        threading.Thread(target=mark_lost, args=(self._client, self._keys, self._run_id,
+                                                 self._records, peer), kwargs={"led": led},
+                         daemon=True, name=f"rdzv-mark {self._node}").start()
 
     def _on_event(self, event: WatchEvent) -> None:
         with self._cond:
@@ -459,38 +448,73 @@ class AssignedRendezvousHandler(RendezvousHandler):
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed rendezvous record %s: %s", event.key, exc)
             self._cond.notify_all()
+            state = self._state
+            check = state is not None and state.round > max(self._mine, self._checked)
+        if check:
+            assert state is not None
+            self._check_latest(state)
 
     def _apply(self, event: WatchEvent) -> None:
-        key = event.key
-        if key == self._round_key:
-            if event.kind == "put" and event.mod_revision >= self._round_rev:
-                self._round = RoundRecord.from_json(event.value)
-                self._round_rev = event.mod_revision
-            elif event.kind == "delete":
-                self._round, self._round_rev = None, 0
+        if event.key == self._state_key:
+            if event.kind == "put":
+                state = StateRecord.from_json(event.value)
+                if self._state is None or state.round >= self._state.round:
+                    self._state = state
             return
-        if key == self._closed_key:
+        if event.key == self._leader_key:
+            if event.kind == "put":
+                self._leader = (event.value.decode(), event.create_revision)
+            else:
+                self._leader, self._leader_gone_at = None, time.monotonic()
+        elif event.key == self._closed_key:
             self._closed = event.kind == "put"
+
+    def _keep_seat(self) -> None:
+        """Lead while this node holds ctl/leader; take it when it is free and this node
+        is the deputy (or nobody leads yet, or nobody took it for ``lease_ttl_s``)."""
+        while not self._stopped.is_set():
+            with self._cond:
+                self._cond.wait(REEVALUATE_S)
+                leader, state, gone_at = self._leader, self._state, self._leader_gone_at
+            leading = self._leading
+            if leading is not None and (not leading.leading or leader is None
+                                        or leader[1] != leading.create_revision):
+                leading.stop()
+                self._leading = leading = None
+            if leader is None and not self._stopped.is_set() and (
+                state is None or self._node in (state.leader, state.deputy)
+                or time.monotonic() - gone_at > self._lease_ttl_s
+            ):
+                self._campaign()
+            elif leader is not None and leader[0] == self._node and leading is None:
+                self._lead(leader[1])
+
+    def _campaign(self) -> None:
+        lease = self._join.lease_id
+        if lease is None:
             return
-        node = Keys.id_under(self._joins_prefix, key)
-        if node is None:
+        try:
+            result = self._client.txn([Compare(self._leader_key, "create", "==", 0)],
+                                      [Put(self._leader_key, self._node.encode(), lease)])
+        except EtcdError as exc:
+            log.warning("cannot take the round leader's key: %s", exc)
             return
-        members = {m.node: m for m in self._mine.members} if self._mine else {}
-        if event.kind == "delete":
-            self._joins.pop(node, None)
-            if node in members and node != self._node:
-                # Its lease ended (hung, cut off, gone, or it could not reach
-                # etcd) or it left: this round is over. Not "dead": a runner
-                # that lost its lease to an etcd outage puts the same record
-                # back, and must then be waited for again.
-                self._lost.add(node)
+        if result.succeeded:
+            self._lead(result.revision)
+
+    def _lead(self, create_revision: int) -> None:
+        if self._leading is not None or self._stopped.is_set():
             return
-        join = JoinRecord.from_json(event.value)
-        if join.member.node != node:
-            raise ValueError(f"record of node {join.member.node!r} under key of {node!r}")
-        self._joins[node] = join
-        member = members.get(node)
-        replaced = member is not None and member.incarnation != join.member.incarnation
-        if member is not None and replaced and node != self._node:
-            self._lost.add(node)  # a new runner there: the member's workers are gone
-            self._dead.add(member.incarnation)
+        self._leading = RoundLeader(
+            self._client, self._keys, run_id=self._run_id, node=self._node,
+            create_revision=create_revision, bounds=lambda: (self._min, self._max),
+            expected=None if self._expected_nodes is None else (lambda: self._read_expected()),
+            assigned_wait_s=self._assigned_wait_s, records=self._records,
+        ).start()
+
+    def _read_expected(self) -> Collection[str]:
+        assert self._expected_nodes is not None
+        return self._expected_nodes()
+
+
+

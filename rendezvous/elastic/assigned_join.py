@@ -99,6 +99,12 @@ class JoinRecordKeeper:
         with self._lock:
             return self._wanted
 
+    @property
+    def lease_id(self) -> int | None:
+        """The lease the record is under while it is held; None otherwise."""
+        lease = self._lease
+        return lease.lease_id if lease is not None and lease.alive else None
+
     def put(self, target: int) -> None:
         """Put this node's join record, asking for round ``target``.
 

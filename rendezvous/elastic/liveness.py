@@ -8,9 +8,10 @@ or cut-off node:
 * every runner listens on a :class:`LivenessServer` (an ephemeral port on the
   address its peers reach it at) and publishes the port in its rendezvous
   record;
-* once a round is formed, a runner keeps one connection open to each other
-  member through a :class:`PeerMonitor`, which reports the peer lost on
-  end-of-file or error;
+* once a round is formed, a runner keeps one connection open to each of its
+  ring peers (a few successors in rank order: rendezvous.elastic.assigned_state)
+  through a :class:`PeerMonitor`, which reports the peer lost on end-of-file or
+  error, and keeps the connections that stay from one round to the next;
 * before waiting for a member that has not re-joined, a runner :func:`probe`\\s
   it: a refused connection means its runner is gone (its host still answers),
   so nobody waits for its lease to run out.
@@ -142,12 +143,26 @@ class PeerMonitor:
         self._thread.start()
 
     def watch(self, peers: dict[str, tuple[str, int]]) -> None:
-        """Replace the watched peers with ``peers`` (name -> (addr, port)).
+        """Watch ``peers`` (name -> (addr, port)) and no other peer.
 
-        A peer that refuses the connection is reported lost at once.
+        A peer already watched at the same address keeps its connection (a ring
+        kept across rounds changes only where a peer was lost or came). A peer
+        that refuses the connection is reported lost at once.
         """
-        self.clear()
+        kept: set[str] = set()
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                if key.data is None:
+                    continue
+                name, addr, port = key.data
+                if peers.get(name) == (addr, port):
+                    kept.add(name)
+                    continue
+                self._selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
         for name, (addr, port) in peers.items():
+            if name in kept:
+                continue
             try:
                 sock = socket.create_connection((addr, port), timeout=self._timeout)
                 sock.sendall(b"\n")
@@ -160,7 +175,7 @@ class PeerMonitor:
                 continue
             sock.setblocking(False)
             with self._lock:
-                self._selector.register(sock, selectors.EVENT_READ, name)
+                self._selector.register(sock, selectors.EVENT_READ, (name, addr, port))
         self._wake_w.send(b"x")
 
     def clear(self) -> None:
@@ -195,8 +210,8 @@ class PeerMonitor:
                         continue  # cleared meanwhile
                     self._selector.unregister(sock)
                     sock.close()
-                log.info("liveness connection to peer %s closed: lost", key.data)
-                self._report(key.data)
+                log.info("liveness connection to peer %s closed: lost", key.data[0])
+                self._report(key.data[0])
 
     def close(self) -> None:
         if self._stopped.is_set():

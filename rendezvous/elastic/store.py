@@ -299,8 +299,15 @@ class EtcdV3Store(Store):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
+        # Watch the keys waited for, not the whole store: one key exactly, several
+        # by their longest common prefix.
+        one = len(missing) == 1
+        first, last = min(missing), max(missing)  # their common prefix is everyone's
+        common = next((i for i, (x, y) in enumerate(zip(first, last, strict=False))
+                       if x != y), len(first))
+        watched = first if one else first[:common]
         try:
-            stream = self._client.watch(self._prefix, prefix=True, start_revision=start_revision)
+            stream = self._client.watch(watched, prefix=not one, start_revision=start_revision)
         except EtcdError as exc:
             raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
         timer = threading.Timer(remaining, stream.cancel)

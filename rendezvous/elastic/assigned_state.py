@@ -1,0 +1,217 @@
+"""The one-writer rounds of the assigned rendezvous: their small records and pure decisions.
+
+One member, the *leader*, reads every join record and writes each round once
+(:mod:`rendezvous.elastic.assigned_leader`); the others read two small records
+(:mod:`rendezvous.elastic.assigned`):
+
+* :class:`StateRecord` (``ctl/state``, every member watches it): the last round's number
+  and size, why it was formed or why the current one is obsolete (a pending
+  :class:`~rendezvous.elastic.assigned_rounds.Change` that cannot form a round yet), who
+  leads and who takes over (the *deputy*);
+* :class:`RankRecord` (``rank/<node>``, read by that node only, once per round): its
+  rank, and the k ring peers whose liveness port it watches (with their leases).
+
+What the leader decides from the join records (:func:`decide`), what a member
+concludes from the state (:func:`member_change`) and the ring (:func:`ring_of`) are
+pure functions here; neither torch nor etcd is imported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rendezvous.elastic.assigned_rounds import (
+    LEAVING,
+    LOST,
+    SUPERSEDED,
+    WAITING,
+    Change,
+    JoinRecord,
+    Member,
+    RoundRecord,
+    order_members,
+)
+
+#: Liveness ring: each member watches this many successors in rank order.
+RING_K = 2
+#: At most this many operations in one of the leader's transactions (etcd's cap: 128).
+TXN_OPS = 64
+
+
+def _change_to(change: Change | None) -> object:
+    return None if change is None else {"kind": change.kind, "nodes": sorted(change.nodes)}
+
+
+def _change_from(raw: object) -> Change | None:
+    if not isinstance(raw, dict):
+        return None
+    return Change(str(raw["kind"]), frozenset(str(n) for n in raw["nodes"]))
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """``ctl/state``: the last round, and why the rounds moved.
+
+    ``why``: the change the round ``round`` was formed for (None: the first);
+    ``pending``: a change of round ``round`` that cannot form the next one yet
+    (fewer than min_nodes, or assigned nodes not come). ``leader``/``deputy``:
+    who writes rounds, and who takes over at once when it is lost.
+    """
+
+    round: int
+    world: int
+    why: Change | None = None
+    pending: Change | None = None
+    leader: str = ""
+    deputy: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps({"round": self.round, "world": self.world, "why": _change_to(self.why),
+                           "pending": _change_to(self.pending), "leader": self.leader,
+                           "deputy": self.deputy}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StateRecord:
+        raw = json.loads(data)
+        return cls(int(raw["round"]), int(raw["world"]), _change_from(raw.get("why")),
+                   _change_from(raw.get("pending")), str(raw.get("leader", "")),
+                   str(raw.get("deputy", "")))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A ring peer: where its liveness port is, and the lease of its join record."""
+
+    member: Member
+    lease: int
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """``rank/<node>``: the node's place in round ``round``."""
+
+    round: int
+    rank: int
+    member: Member
+    ring: tuple[Peer, ...]
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "round": self.round, "rank": self.rank, **self.member.to_dict(),
+            "ring": [{**p.member.to_dict(), "lease": p.lease} for p in self.ring],
+        }).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RankRecord:
+        raw = json.loads(data)
+        ring = tuple(Peer(Member.from_dict(p), int(p["lease"])) for p in raw["ring"])
+        return cls(int(raw["round"]), int(raw["rank"]), Member.from_dict(raw), ring)
+
+
+def ring_of(members: tuple[Member, ...], leases: Mapping[str, int], index: int,
+            k: int = RING_K) -> tuple[Peer, ...]:
+    """The (at most ``k``) successors of ``members[index]``, cyclic, itself excluded."""
+    n = len(members)
+    return tuple(Peer(members[(index + i) % n], leases.get(members[(index + i) % n].node, 0))
+                 for i in range(1, min(k, n - 1) + 1))
+
+
+def deputy_of(members: tuple[Member, ...], leader: str) -> str:
+    """Who takes over from ``leader``: the member after it in rank order."""
+    nodes = [m.node for m in members]
+    if not nodes:
+        return ""
+    if leader not in nodes:
+        return nodes[0]
+    return nodes[(nodes.index(leader) + 1) % len(nodes)] if len(nodes) > 1 else ""
+
+
+def round_change(current: RoundRecord, joins: Mapping[str, JoinRecord],
+                 dead: frozenset[str] | set[str], max_nodes: int) -> Change | None:
+    """Why round ``current`` is obsolete, as the leader sees the join records; None
+    while it holds. In order: a member lost (record gone, another incarnation, or a
+    ring peer's word that it died), a member leaving, a node waiting (a newcomer
+    while there is room, or a member that asked for a later round)."""
+    lost = frozenset(
+        m.node for m in current.members
+        if (j := joins.get(m.node)) is None or j.member.incarnation != m.incarnation
+        or m.incarnation in dead
+    )
+    if lost:
+        return Change(LOST, lost)
+    leaving = frozenset(m.node for m in current.members if joins[m.node].leaving)
+    if leaving:
+        return Change(LEAVING, leaving)
+    nodes = set(current.nodes())
+    room = len(nodes) < max_nodes
+    waiting = frozenset(
+        n for n, j in joins.items()
+        if not j.leaving and j.member.incarnation not in dead
+        and ((n in nodes and j.round > current.round) or (n not in nodes and room))
+    )
+    return Change(WAITING, waiting) if waiting else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The leader's decision: the next round's members (None: no round now), and the
+    change that makes the current one obsolete (None: it holds)."""
+
+    members: tuple[Member, ...] | None
+    change: Change | None
+
+
+def decide(current: RoundRecord | None, joins: Mapping[str, JoinRecord],
+           dead: frozenset[str] | set[str], expected: frozenset[str], *,
+           min_nodes: int, max_nodes: int) -> Decision:
+    """What the leader does with the join records it sees.
+
+    A round is formed when there is none yet or the current one is obsolete
+    (:func:`round_change`), at least ``min_nodes`` living, not leaving nodes have
+    joined, and every node in ``expected`` (assigned ones, while the leader waits
+    for them) has a record. Its members keep their ranks (:func:`order_members`).
+    Nobody is waited for to acknowledge: a living member of the old round is in the
+    new one, and learns it from the state record.
+    """
+    change = None if current is None else round_change(current, joins, dead, max_nodes)
+    if current is not None and change is None:
+        return Decision(None, None)
+    joined = {n: j.member for n, j in joins.items()
+              if not j.leaving and j.member.incarnation not in dead}
+    if len(joined) < min_nodes or expected - joins.keys():
+        return Decision(None, change)
+    return Decision(order_members(joined, current, max_nodes), change)
+
+
+def member_change(node: str, mine: int, state: StateRecord | None, in_latest: bool,
+                  lost: frozenset[str] | set[str]) -> Change | None:
+    """Why this node's round ``mine`` is obsolete, from what it reads; None while it holds.
+
+    Args:
+        node: this node.
+        mine: the number of this node's round (0: none yet).
+        state: the last state record seen.
+        in_latest: whether this node is in the state's round (its rank record says so).
+        lost: ring peers this node saw die since its round formed.
+    """
+    if mine == 0:
+        return None
+    if state is not None and state.round > mine:
+        if not in_latest:
+            return Change(SUPERSEDED, frozenset())
+        why = state.why or Change(WAITING, frozenset())
+        return Change(why.kind, why.nodes - {node})
+    if lost:
+        return Change(LOST, frozenset(lost))
+    if state is not None and state.round == mine and state.pending is not None:
+        nodes = state.pending.nodes - {node}
+        if nodes or state.pending.kind != LEAVING:
+            return Change(state.pending.kind, nodes)
+    return None
+
+
+def chunks(items: list[object], size: int = TXN_OPS) -> list[list[object]]:
+    """``items`` in runs of at most ``size`` (the leader's transactions)."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
