@@ -204,7 +204,10 @@ class StragglerPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["off", "report", "evict"] = Field(
-        default="evict", description="off, report (events and metrics only) or evict.")
+        default="report",
+        description="off, report (events and metrics only) or evict. report by default: "
+        "nodes that share a machine (or an oversubscribed CPU) can differ by more than the "
+        "factor for reasons a drain would not fix, so evicting is the job's choice.")
     factor: float = Field(
         default=1.3, ge=1.05, le=10.0,
         description="How many times the median of the job's other nodes a node's step takes "

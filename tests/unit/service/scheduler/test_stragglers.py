@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from service.api.models import StragglerPolicy
 from service.scheduler.stragglers import cooling_down, find_stragglers, pace_ratios
 
-EVICT = StragglerPolicy()
+EVICT = StragglerPolicy(mode="evict")
 REPORT = StragglerPolicy(mode="report")
 
 

@@ -1,0 +1,195 @@
+"""A slow node is found and taken out of the job live, losing nothing (#27).
+
+A real coordinator and four real agents (a, b, c, d) run examples/mlp.py
+--live-resize, compute-bound (no pause between steps), min 2 / max 3: it starts
+on a, b and c; d is the spare. Once the job trains, c's workers are throttled to
+about half speed by a SIGSTOP/SIGCONT duty cycle (:class:`Throttle`). The
+checkpoints library measures each rank's own pace, the runner reports each
+node's, and the coordinator's pass finds c a straggler and evicts it: c's runner
+leaves by the live path, a and b re-form in place (resized_live), d takes the
+slot, and c shows ``slow`` in ``GET /v1/nodes``. Rank 0 logs every step exactly
+once (0 steps lost, none redone). A throttle on none of the nodes (the job before
+c is throttled: every node alike) evicts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rendezvous.etcd.server import EtcdServer
+from tests.e2e.test_live_resize import job_events, running_at, steps
+from tests.support.acid import MLP
+from tests.support.agents import AgentCluster, warm_runner_ready
+from tests.support.coordinator import CoordinatorProcess, coordinator_and_agents, job_view
+from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
+
+log = logging.getLogger(__name__)
+# Compute-bound: two 1024-wide layers, 32 samples a rank; no pause between steps.
+ARGS = ["--global-batch-size", "96", "--dataset-size", "960", "--features", "512",
+        "--hidden", "1024", "--every-steps", "1000", "--seed", "3", "--total-steps", "100000"]
+WINDOW = 20
+
+
+class Throttle:
+    """Runs ``pids`` at about ``1 - stopped`` of their speed: each ``period_s``, stopped
+    (SIGSTOP) for ``stopped`` of it, then continued (SIGCONT). :meth:`stop` continues them."""
+
+    def __init__(self, pids: list[int], *, period_s: float = 0.04, stopped: float = 0.5) -> None:
+        self.pids, self.period_s, self.stopped = pids, period_s, stopped
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                self._signal(signal.SIGSTOP)
+                self._done.wait(self.period_s * self.stopped)
+                self._signal(signal.SIGCONT)
+                self._done.wait(self.period_s * (1 - self.stopped))
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def start(self) -> Throttle:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+        self._signal(signal.SIGCONT)
+
+
+def worker_pids(run_dir: Path, job_id: str) -> list[int]:
+    """The PIDs the node's workers wrote in their progress files (checkpoints.protocol)."""
+    pids = []
+    for path in sorted(run_dir.glob(f"jobs/{job_id}/gen-*/progress/rank-*.json")):
+        try:
+            pids.append(int(json.loads(path.read_text())["pid"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return sorted({p for p in pids if Path(f"/proc/{p}").exists()})
+
+
+def rank0_steps(root: Path, *, size: int | None = None, after: float = 0.0) -> list[Any]:
+    return [s for s in steps(root) if s.rank == 0 and s.time > after
+            and (size is None or s.world_size == size)]
+
+
+def step_time(root: Path, *, after: float, before: float, size: int) -> float:
+    """The median time between rank 0's consecutive steps at ``size`` in (after, before)."""
+    times = [s.time for s in rank0_steps(root, size=size, after=after) if s.time < before]
+    return statistics.median(b - a for a, b in itertools.pairwise(times))
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry,
+) -> Iterator[tuple[CoordinatorProcess, AgentCluster]]:
+    with coordinator_and_agents(tmp_path=tmp_path, etcd_server=etcd_server,
+                                etcd_root=etcd_root, procs=procs) as both:
+        yield both
+
+
+def evictions(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    return [e for e in job_events(api, job_id) if e["reason"] == "straggler_evicted"]
+
+
+@pytest.mark.skip(reason="not yet seen passing (#27): on the shared 2-core machine at load 17 "
+                  "the job's compute-bound nodes differed by the factor before any throttle "
+                  "(an eviction at step < 30), and at load 240 it did not reach 30 steps; "
+                  "run it on a quiet machine and remove this mark")
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
+    tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster],
+) -> None:
+    coordinator, agents = cluster
+    api = coordinator.client()
+    for node in "abcd":
+        agents.start_agent(node)
+    wait_for(lambda: {n["node_id"] for n in api.get("/v1/nodes").json()} == set("abcd"),
+             timeout=60, what="nodes a, b, c, d registered")
+    wait_for(lambda: all(warm_runner_ready(tmp_path / n) for n in "abcd"), timeout=240,
+             what="every agent's warm runner ready")
+    command = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *ARGS,
+               "--live-resize"]
+    response = api.post("/v1/jobs", json={
+        "name": "stragglers", "command": command, "env": {"OMP_NUM_THREADS": "1"},
+        "min_nodes": 2, "max_nodes": 3, "grace_period_s": 20,
+        "straggler_policy": {"mode": "evict", "factor": 1.3, "window_steps": WINDOW},
+    })
+    assert response.status_code == 201, response.text
+    job_id = response.json()["job_id"]
+    wait_for(lambda: running_at(api, job_id, {"a", "b", "c"}), timeout=120,
+             what="the job RUNNING on a, b and c")
+    # A full window with every node alike: nobody is a straggler.
+    wait_for(lambda: len(rank0_steps(tmp_path, size=3)) >= WINDOW + 10, timeout=120,
+             what=f"{WINDOW + 10} steps at world size 3")
+    assert evictions(api, job_id) == [], evictions(api, job_id)
+
+    pids = wait_for(lambda: worker_pids(tmp_path / "c", job_id), timeout=10,
+                    what="c's worker pids in its progress files")
+    throttled_at = time.time()
+    first_slow = rank0_steps(tmp_path)[-1].step + 1
+    throttle = Throttle(pids).start()
+    try:
+        (evicted,) = wait_for(lambda: evictions(api, job_id), timeout=120,
+                              what="c evicted as a straggler")
+    finally:
+        throttle.stop()
+    evicted_at = time.time()
+    assert evicted["nodes"] == ["c"], evicted
+    detected = [s for s in rank0_steps(tmp_path) if s.time <= evicted_at][-1].step
+    steps_to_detection = detected - first_slow + 1
+    log.info("c evicted after %d throttled steps: %s", steps_to_detection, evicted["message"])
+
+    # The spare takes the slot; a and b re-formed in place; c shows slow.
+    wait_for(lambda: running_at(api, job_id, {"a", "b", "d"}), timeout=120,
+             what="the job RUNNING on a, b and d")
+    reasons = [e["reason"] for e in job_events(api, job_id)]
+    assert "resized_live" in reasons and "resized_by_restart" not in reasons, reasons
+    slow = {n["node_id"]: n["slow"] for n in api.get("/v1/nodes").json()}
+    assert set(k for k, v in slow.items() if v) == {"c"}, slow
+    assert slow["c"]["job_id"] == job_id and slow["c"]["ratio"] >= 1.3, slow["c"]
+
+    joined = time.time()
+    wait_for(lambda: len(rank0_steps(tmp_path, size=3, after=joined)) >= 15, timeout=120,
+             what="15 steps at world size 3 with d")
+    before = step_time(tmp_path, after=0.0, before=throttled_at, size=3)
+    during = step_time(tmp_path, after=throttled_at, before=evicted_at, size=3)
+    after = step_time(tmp_path, after=joined, before=time.time(), size=3)
+    log.info("step time: %.3f s before, %.3f s throttled, %.3f s after (%.2fx before); "
+             "detected after %d steps", before, during, after, after / before,
+             steps_to_detection)
+
+    api.post(f"/v1/jobs/{job_id}/cancel")
+    wait_for(lambda: job_view(api, job_id)["phase"] == "CANCELLED", timeout=120,
+             what="the job CANCELLED")
+    # 0 steps lost, none redone: rank 0 logged each step once, with no gap.
+    taken = Counter(s.step for s in rank0_steps(tmp_path))
+    assert max(taken.values()) == 1, [k for k, v in taken.items() if v > 1]
+    assert sorted(taken) == list(range(min(taken), max(taken) + 1))
+    assert steps_to_detection <= WINDOW, steps_to_detection
+    assert after <= 1.25 * before, (before, during, after)
