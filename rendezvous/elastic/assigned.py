@@ -359,6 +359,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
+        if self._seat is not None:  # before the leader: the seat may be starting one
+            self._seat.join(timeout=5)
         if self._leading is not None:
             self._leading.stop()
         self._join.close()  # revokes the lease: deletes the join record (and ctl/leader)
@@ -367,8 +369,6 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 part.close()
         if self._watcher is not None:
             self._watcher.stop(timeout=5)
-        if self._seat is not None:
-            self._seat.join(timeout=5)
         self._join.join(timeout=5)
 
     # internals ---------------------------------------------------------------
@@ -483,11 +483,19 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 self._leading = leading = None
             if leader is None and not self._stopped.is_set() and (
                 state is None or self._node in (state.leader, state.deputy)
-                or time.monotonic() - gone_at > self._lease_ttl_s
+                or time.monotonic() - gone_at > self._campaign_after_s()
             ):
                 self._campaign()
+                with self._cond:  # the others try again after another grace, not in a herd
+                    self._leader_gone_at = time.monotonic()
             elif leader is not None and leader[0] == self._node and leading is None:
                 self._lead(leader[1])
+
+    def _campaign_after_s(self) -> float:
+        """How long a member that is not the deputy leaves the leader key free: a
+        lease's TTL (the deputy may be dead too), staggered by rank."""
+        rank = self._rank.rank if self._rank is not None else 0
+        return self._lease_ttl_s + 0.25 * (rank % 16)
 
     def _campaign(self) -> None:
         lease = self._join.lease_id

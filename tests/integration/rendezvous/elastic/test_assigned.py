@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from rendezvous.elastic.assigned import AssignedRendezvousHandler, AssignmentWithdrawnError
 from rendezvous.elastic.assigned_rounds import Fence
-from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd import EtcdClient, EtcdConfig, Put, create_client
 from rendezvous.keys import Keys
 from rendezvous.records import Assignment
 from tests.support.processes import ProcessGroupRegistry
@@ -344,3 +344,30 @@ def test_a_leaver_knows_when_no_other_member_stays_to_resize_with(make: Make) ->
     assert a.staying_peers() == {"b"}
     assert b.announce_leaving()
     wait_for(lambda: not a.staying_peers(), timeout=10, what="a to see b leaving")
+
+
+def test_a_deposed_leader_cannot_write_and_another_member_takes_over(
+    make: Make, etcd_client: EtcdClient, etcd_config: EtcdConfig
+) -> None:
+    # What a ring peer does when the leader dies, or etcd when its lease ends:
+    # the leader key goes. The old leader's writes are fenced by its key's
+    # create revision, whatever it believes; a member takes the key and leads.
+    keys = Keys(etcd_config.root)
+    handlers = [make(n, expected={"a", "b", "c"}) for n in ("a", "b", "c")]
+    together(*handlers)
+    old = wait_for(lambda: next((h._leading for h in handlers if h.is_leader()), None),
+                   timeout=10, what="a round leader")
+    etcd_client.delete(keys.assigned_leader(JOB))
+    new = wait_for(lambda: next((h._leading for h in handlers if h._leading is not None
+                                 and h._leading.create_revision != old.create_revision), None),
+                   timeout=20, what="another leader")
+    before = etcd_client.get(keys.assigned_state(JOB))
+    assert not old._write([Put(keys.assigned_state(JOB), b"stale")])
+    assert etcd_client.get(keys.assigned_state(JOB)) == before
+    assert new.leading
+    a, b = handlers[:2]
+    a._expected_nodes = b._expected_nodes = lambda: {"a", "b"}  # as the coordinator does
+    handlers[2].close()  # a change (c may be the leader: then the deputy leads)
+    wait_for(a.pending_change, timeout=20, what="a to see c leave")
+    assert [i.world_size for i in together(a, b)] == [2, 2]
+    assert a.is_leader() or b.is_leader()
