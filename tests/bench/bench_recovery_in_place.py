@@ -134,7 +134,8 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
         command.append("--live-resize")
     job = Assignment(job_id=job_id, command=command, env={"OMP_NUM_THREADS": "1"},
                      min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10)
-    members = ["a", "b", "c"]
+    prefix = "i" if live else "r"  # node ids of their own: the other path's job is not theirs
+    members = [f"{prefix}a", f"{prefix}b", f"{prefix}c"]
     for node in members:
         cluster.start_agent(node)
         assign(client, node, job)
@@ -157,7 +158,7 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
             parts = in_place_breakdown(path, killed=killed, first=stamp) if live else {}
             out.append(Kill(stamp - killed, parts))
             print(f"{job_id} kill {i + 1}: recovery {stamp - killed:.3f} s {parts}", flush=True)
-            newcomer = f"n{i}"
+            newcomer = f"{prefix}n{i}"
             cluster.start_agent(newcomer)
             assign(client, newcomer, job)
             members.append(newcomer)
@@ -166,6 +167,7 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
     finally:
         for node in list(cluster.agents):
             procs.kill_group(cluster.agents[node])
+            unassign(client, node, job_id)
     return out
 
 
