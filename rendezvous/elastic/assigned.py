@@ -15,22 +15,12 @@ of tidal's 9.2 s recovery (docs/benchmarks.md). tidal's runners know more:
 So a round completes the moment a member is known lost, leaves, or a node
 waits to come in: no timers. One member writes rounds, the *leader*
 (:mod:`rendezvous.elastic.assigned_leader`: fenced by its key's create revision); the
-others read O(1) small records (:mod:`rendezvous.elastic.assigned_state`). Layout,
-under ``P/rdzv/<job>/assigned/`` (:mod:`rendezvous.keys`)::
-
-    m/join/<node>  JoinRecord: the round the node wants, its liveness address,
-                   an incarnation id, whether it is leaving; under the runner's
-                   lease. Only the leader watches m/.
-    m/lost/<node>  the incarnation a ring peer saw die (its liveness socket
-                   closed); written by that peer
-    ctl/leader     the leader's node, under its join lease (created if absent)
-    ctl/state      StateRecord: the last round's number and size, why it formed,
-                   a pending change, the leader and its deputy. Every member
-                   watches ctl/ (three small keys).
-    ctl/closed     present once the job ended (``shutdown``)
-    rank/<node>    RankRecord: the node's rank in the last round and its ring
-                   peers; read by that node once per round
-
+others read O(1) small records (:mod:`rendezvous.elastic.assigned_state`). Who
+writes, watches and fences which key under ``P/rdzv/<job>/assigned/``: the table in
+docs/architecture.md ("One writer per round"); the keys in :mod:`rendezvous.keys`. In
+short: join records (``m/join/<node>``, under each runner's lease) and lost marks
+(``m/lost/<node>``) are watched by the leader only; ``ctl/`` (state, leader, closed)
+by every member; ``rank/<node>`` is read by its node once per round;
 and each round gets a fresh c10d store at ``P/rdzv/<job>/store/<round>/``
 (:class:`~rendezvous.elastic.store.EtcdV3Store`).
 
@@ -476,6 +466,10 @@ class AssignedRendezvousHandler(RendezvousHandler):
             with self._cond:
                 self._cond.wait(REEVALUATE_S)
                 leader, state, gone_at = self._leader, self._state, self._leader_gone_at
+                unread = state is not None and state.round > max(self._mine, self._checked)
+            if unread:  # the watch's read of this node's rank record failed: again
+                assert state is not None
+                self._check_latest(state)
             leading = self._leading
             if leading is not None and (not leading.leading or leader is None
                                         or leader[1] != leading.create_revision):
