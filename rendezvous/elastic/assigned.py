@@ -78,6 +78,7 @@ from rendezvous.elastic.assigned_state import (
     RankRecord,
     StateRecord,
     member_change,
+    next_roster,
 )
 from rendezvous.elastic.liveness import LivenessServer, PeerMonitor
 from rendezvous.elastic.store import EtcdV3Store, LeaseCache
@@ -167,6 +168,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._lost: set[str] = set()  # ring peers seen dead since this node's round formed
         self._ring: dict[str, Peer] = {}
         self._roster: tuple[int, frozenset[str]] = (0, frozenset())
+        self._entered: StateRecord | None = None  # the state of this node's round
         self._incarnation = uuid.uuid4().hex[:12]
 
         self._server: LivenessServer | None = None
@@ -300,13 +302,20 @@ class AssignedRendezvousHandler(RendezvousHandler):
             return self._mine
 
     def participants(self) -> frozenset[str]:
-        """The members of this node's current (or last) round (read once per round)."""
+        """The members of this node's current (or last) round: the last round's and the
+        change it formed for (:func:`~rendezvous.elastic.assigned_state.next_roster`), else
+        read from the rank records (O(N), the first round or when that does not add up)."""
         with self._cond:
-            mine, (cached, roster) = self._mine, self._roster
+            mine, (cached, roster), entered = self._mine, self._roster, self._entered
         if mine == 0:
             return frozenset()
         if cached == mine:
             return roster
+        derived = next_roster(roster, cached, entered)
+        if derived is not None and self._node in derived:
+            with self._cond:
+                self._roster = (mine, derived)
+            return derived
         try:
             nodes = {m.node for m in read_round(self._client, self._keys, self._run_id, mine)}
         except EtcdError as exc:
@@ -404,7 +413,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
 
     def _enter(self, state: StateRecord, rank: RankRecord) -> RendezvousInfo:
         with self._cond:
-            self._mine, self._rank = state.round, rank
+            self._mine, self._rank, self._entered = state.round, rank, state
             self._lost.clear()
             self._ring = {p.member.node: p for p in rank.ring}
         store: Store = EtcdV3Store(

@@ -212,6 +212,22 @@ def member_change(node: str, mine: int, state: StateRecord | None, in_latest: bo
     return None
 
 
+def next_roster(roster: frozenset[str], number: int, state: StateRecord | None) -> (
+    frozenset[str] | None
+):
+    """The members of ``state``'s round, from those of round ``number`` and the change it
+    was formed for, when that adds up (the next round, its size matches); else None.
+
+    The state names only the first kind of change (a loss and a newcomer at once say
+    "lost"): the size then differs, and the caller reads the rank records instead.
+    """
+    if state is None or state.why is None or number != state.round - 1 or not roster:
+        return None
+    why = state.why
+    derived = roster | why.nodes if why.kind == WAITING else roster - why.nodes
+    return derived if len(derived) == state.world else None
+
+
 def chunks(items: list[object], size: int = TXN_OPS) -> list[list[object]]:
     """``items`` in runs of at most ``size`` (the leader's transactions)."""
     return [items[i:i + size] for i in range(0, len(items), size)]

@@ -24,6 +24,7 @@ from rendezvous.elastic.assigned_state import (
     decide,
     deputy_of,
     member_change,
+    next_roster,
     ring_of,
 )
 
@@ -148,3 +149,15 @@ def test_chunks_cover_every_op_within_the_cap(n: int) -> None:
     parts = chunks(list(range(n)))
     assert [x for part in parts for x in part] == list(range(n))
     assert all(0 < len(part) <= TXN_OPS for part in parts)
+
+
+def test_the_next_roster_follows_from_the_last_and_the_change_or_is_read() -> None:
+    roster = frozenset({"a", "b", "c"})
+    lost = StateRecord(5, 2, why=Change(LOST, frozenset({"c"})))
+    assert next_roster(roster, 4, lost) == {"a", "b"}
+    assert next_roster(roster, 4, StateRecord(5, 4, why=Change(WAITING, frozenset({"d"})))) == {
+        "a", "b", "c", "d"}
+    # a loss and a newcomer at once: the state says "lost" only, the size tells
+    assert next_roster(roster, 4, StateRecord(5, 3, why=Change(LOST, frozenset({"c"})))) is None
+    assert next_roster(roster, 3, lost) is None  # a round skipped
+    assert next_roster(frozenset(), 4, lost) is None  # the first: read
