@@ -11,6 +11,10 @@ steps: never within the run). Then:
 2. once a and b train at world size 2, a's agent (rank 0's node) is SIGKILLed
    the same way, mid-training.
 
+A second test stops every process of node c instead (SIGSTOP: a host that
+hangs, no FIN): the survivors learn of it from the lease (3 s), their
+watchdog shuts the old group's sockets down, and they recover in place the same way.
+
 Each time the survivors' collective fails, their runners tell them the next
 round, and they re-form the group in place: every survivor's worker keeps
 its PID across both kills (each node started one worker, ever), no worker
@@ -22,8 +26,11 @@ torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -148,3 +155,62 @@ def test_survivors_of_two_killed_nodes_keep_their_processes_and_end_with_the_ref
     log.info("max abs parameter difference vs the uninterrupted run: %.3g",
              max_difference(got, want))
     assert_same_params(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_survivors_of_a_hung_node_keep_their_processes_and_end_with_the_reference(
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    etcd_root: str,
+    etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    total = 40
+    args = [*ARGS[:1], str(total), *ARGS[2:]]
+    ref, reference_record = start_reference(procs, tmp_path, args)
+    cluster = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    record, hang_file = tmp_path / "elastic.json", tmp_path / "c-hangs"
+    job = Assignment(
+        job_id="mlp",
+        command=[sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *args,
+                 "--step-seconds", "0.1", "--record", str(record), "--live-resize",
+                 "--hang-before-step", str(HANG_AT), "--hang-node", "c",
+                 "--hang-file", str(hang_file)],
+        env={"OMP_NUM_THREADS": "1"},
+        min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10,
+    )
+    stopped: list[int] = []
+    try:
+        for node in ("a", "b", "c"):
+            cluster.start_agent(node)
+            assign(etcd_client, node, job)
+        wait_for(hang_file.exists, timeout=240, what=f"node c hanging before step {HANG_AT}")
+        stopped = [*processes_of_node("c", warm=True), cluster.agents["c"].pid]
+        for pid in stopped:  # the host hangs: nothing of it answers, no socket closes
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        unassign(etcd_client, "c", "mlp")
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b"},
+                                        state=JobNodeState.SUCCEEDED),
+                 timeout=120, what="the job succeeded on a and b")
+        wait_reference(ref, tmp_path, timeout=120)
+    except Exception:
+        log.error("%s", cluster.log_tails())
+        raise
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    a, b = _steps(tmp_path, "a"), _steps(tmp_path, "b")
+    assert len({s[0] for s in a}) == 1 and len({s[0] for s in b}) == 1
+    lines = _worker_lines(tmp_path, "a") + _worker_lines(tmp_path, "b")
+    assert sum("recovered in place" in line for line in lines) == 2, "\n".join(
+        line for line in lines if "collective" in line or "lost" in line)
+    assert sum("shut down" in line for line in lines) >= 1  # the watchdog unblocked them
+    assert not any("just-in-time save of step" in line for line in lines)
+    assert {s[3] for s in a + b} == set(range(total))
+    assert _paths(etcd_client, "a") == {"live": 1} == _paths(etcd_client, "b")
+    assert_same_params(record_params(record), record_params(reference_record))
