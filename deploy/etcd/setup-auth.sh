@@ -3,7 +3,7 @@
 #
 # Users and what their roles may do (P is the key root, /tidal by default):
 #
-#   tidal-coordinator  readwrite P/jobs/ P/assignments/ P/drains/ P/events/ P/election/ P/queues/
+#   tidal-coordinator  readwrite P/jobs/ P/assignments/ P/drains/ P/events/ P/election/ P/queues/ P/slow/
 #                      read      P/nodes/ P/status/
 #   tidal-agent        readwrite P/nodes/ P/status/ P/rdzv/
 #                      read      P/assignments/ P/jobs/
@@ -18,7 +18,7 @@
 #
 # The roles have one home, rendezvous/etcd/auth.py (ROLES), which `tidal up`
 # applies to its own etcd; the grant lines below must match it
-# (tests/unit/rendezvous/test_etcd_auth.py reads them and compares).
+# (tests/unit/rendezvous/etcd/test_auth.py reads them and compares).
 #
 # Safe to run again: existing users get their password reset from the files,
 # existing roles get the permissions granted again. It does not revoke
@@ -113,7 +113,7 @@ ensure_user root "$ETCD_ROOT_PASSWORD_FILE" ETCD_ROOT_PASSWORD_FILE
 ctl user grant-role root root >/dev/null
 
 ensure_role tidal-coordinator
-grant tidal-coordinator readwrite jobs assignments drains events election queues
+grant tidal-coordinator readwrite jobs assignments drains events election queues slow
 grant tidal-coordinator read nodes status
 ensure_user tidal-coordinator "$TIDAL_COORDINATOR_PASSWORD_FILE" TIDAL_COORDINATOR_PASSWORD_FILE
 ctl user grant-role tidal-coordinator tidal-coordinator >/dev/null

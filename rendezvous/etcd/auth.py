@@ -6,7 +6,7 @@ with :func:`enable_auth`; ``deploy/etcd/setup-auth.sh`` does the same for an
 operator's etcd and must grant exactly these prefixes (a unit test reads the
 script and compares). Each role has a user of the same name.
 
-* ``tidal-coordinator`` writes jobs, assignments, drains, events, queues and
+* ``tidal-coordinator`` writes jobs, assignments, drains, events, queues, slow marks and
   the leader election; it reads nodes and status. It never reads the rendezvous.
 * ``tidal-agent`` writes its node record, job status and the rendezvous; it
   reads assignments and jobs (an agent runs an assignment only if its job
@@ -73,7 +73,7 @@ class Role:
 ROLES: tuple[Role, ...] = (
     Role(
         COORDINATOR_USER,
-        readwrite=("jobs", "assignments", "drains", "events", "election", "queues"),
+        readwrite=("jobs", "assignments", "drains", "events", "election", "queues", "slow"),
         read=("nodes", "status"),
     ),
     Role(
