@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # TEST_WORKERS=0 runs it serially, in file order.
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps lint test test-fast demo demo-torchrun bench chaos clean
+.PHONY: setup system-deps lint check test test-fast demo demo-torchrun bench chaos clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -33,13 +33,24 @@ setup: system-deps $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rendezvous checkpoints agent service tests examples
 	$(VENV)/bin/mypy
+	# The layer rules: service > agent > (rendezvous | checkpoints), torch only where it belongs.
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 test: setup lint
 	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# The quick loop while developing: no scenario tests.
-test-fast: setup
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+# Before every commit: lint and the unit tests (tests/unit: no process, no server, no
+# etcd; the layer rules ran in lint); under 2 minutes on 2 cores (tests/README.md).
+# Serially: two pytest-xdist workers cost more than they save here (each imports torch
+# and collects the tier).
+check: lint
+	$(PY) -m pytest tests/unit -m "not slow" --ignore=tests/unit/test_layers.py -q $(PYTEST_ARGS)
+
+# The quick loop while developing: lint, the unit tests and the integration tests not
+# marked slow (real etcd and processes, one part at a time); no scenario tests (e2e,
+# netns, chaos, browser).
+test-fast: setup lint
+	$(PY) -m pytest tests/unit tests/integration -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # A local tidal cluster (`tidal up` as a library) keeps a job training while a
 # node dies, a node joins and the job is scaled down.
@@ -74,3 +85,16 @@ chaos: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+
+# A GPU machine's check (tests/gpu/check.py). `make gpu-wheels`, here (PyPI): the wheels a
+# bare GPU machine lacks (Python 3.12, no torch), into build/gpu-wheels. `make gpu-check`,
+# there, with its own python3 and no network: installs them (--no-index) and runs every GPU
+# part in under 8 minutes, writing gpu-check.json and gpu-check.md into $(OUT) (default
+# build/gpu-check). DRY_RUN=1 runs the same script here, skipping what needs CUDA.
+GPU_WHEELS ?= build/gpu-wheels
+gpu-wheels:
+	$(PYTHON) -m tests.gpu.wheels $(GPU_WHEELS)
+
+gpu-check: $(if $(DRY_RUN),$(STAMP))
+	$(if $(DRY_RUN),$(PY),$(PYTHON)) -m tests.gpu.check --wheels $(GPU_WHEELS) \
+		$(if $(OUT),--out $(OUT)) $(if $(DRY_RUN),--dry-run)

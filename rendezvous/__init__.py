@@ -14,7 +14,7 @@
 
 Only ``elastic.etcd_v3``, ``elastic.assigned``, ``elastic.assigned_join`` and
 ``elastic.store`` import torch; the coordinator and the agent daemon import the
-rest and stay light (``tests/unit/rendezvous/test_no_torch.py`` checks it).
+rest and stay light (``tests/integration/test_imports.py`` checks it).
 """
 
 from rendezvous.errors import (

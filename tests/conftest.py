@@ -40,6 +40,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
+#: A test not marked ``slow`` whose own call phase (not its fixtures) runs longer than this
+#: fails: the budget keeps ``make test-fast`` quick and ``make test``'s slow-first order right.
+#: ``TIDAL_SLOW_AFTER_S`` changes it (0: no limit), e.g. on a machine busy with another run.
+SLOW_AFTER_S = float(os.environ.get("TIDAL_SLOW_AFTER_S", "30"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """Fail a passing test that took over :data:`SLOW_AFTER_S` without the ``slow`` marker.
+
+    Benchmarks (``-m bench``) and a run stopped in the debugger (``--pdb``, ``--trace``) are
+    exempt: their time is not the test's own.
+    """
+    report: pytest.TestReport = yield
+    if (
+        call.when == "call"
+        and report.passed
+        and 0 < SLOW_AFTER_S < call.duration
+        and item.get_closest_marker("slow") is None
+        and item.get_closest_marker("bench") is None
+        and "bench" not in (item.config.getoption("markexpr", "") or "")
+        and not item.config.getoption("usepdb", False)
+        and not item.config.getoption("trace", False)
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"took {call.duration:.1f} s, over the {SLOW_AFTER_S:g} s a test not marked slow "
+            "may take: mark it @pytest.mark.slow (make test starts slow tests first; make "
+            "test-fast and make check leave them out), or make it faster"
+        )
+    return report
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One real etcd for the session. Tests isolate themselves by key root."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from rendezvous.etcd import EtcdClient
 from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
@@ -23,6 +25,7 @@ from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 
+@pytest.mark.slow  # 25 s under load
 def test_an_assignment_put_by_hand_never_runs_its_command(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
     procs: ProcessGroupRegistry,

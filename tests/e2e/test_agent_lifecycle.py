@@ -53,6 +53,7 @@ def _workers_of(node_id: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # 29 s under load
 def test_cancel_stops_every_worker_within_the_grace_period(
     cluster: AgentCluster, etcd_client: EtcdClient, tmp_path: Path
 ):
@@ -92,6 +93,7 @@ def test_cancel_stops_every_worker_within_the_grace_period(
     assert cluster.agents["a"].poll() is None
 
 
+@pytest.mark.slow  # 43 s under load: workers restarted on their budget
 def test_a_buggy_script_fails_after_its_budget_with_the_traceback_in_status(
     cluster: AgentCluster, etcd_client: EtcdClient
 ):

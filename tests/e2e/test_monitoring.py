@@ -327,6 +327,7 @@ def test_prometheus_sees_the_job_shrink_grow_restart_and_checkpoint(
     prom.close()
 
 
+@pytest.mark.slow  # 60 s under load: tidal up with Prometheus
 @pytest.mark.timeout(120)
 def test_up_with_prometheus_scrapes_the_cluster_and_stops_with_it(
     tmp_path: Path, procs: ProcessGroupRegistry

@@ -182,6 +182,7 @@ def _runner_pid(client: EtcdClient, job_id: str, node: str, *, not_pid: int = 0)
     return status.pid
 
 
+@pytest.mark.slow  # 54 s under load: a runner restarted on its budget
 @pytest.mark.timeout(300)
 def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_the_cause(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster], etcd_client: EtcdClient
@@ -240,6 +241,7 @@ def test_a_sigkilled_runner_is_restarted_on_the_budget_then_the_job_fails_with_t
           f"after the kill; job FAILED {failed_after:.2f} s after the second kill")
 
 
+@pytest.mark.slow  # 42 s under load: a runner restarted on its budget
 @pytest.mark.timeout(180)
 def test_a_runner_that_raises_is_restarted_on_the_budget_then_fails_with_its_traceback(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,

@@ -128,6 +128,7 @@ def _etcd_config(cluster: Any, user: str | None) -> EtcdConfig:
                       timeout_s=5, user=user, password=password)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # 45 s under load: tidal up's whole cluster
 @pytest.mark.timeout(150)
 def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     tmp_path: Path, procs: ProcessGroupRegistry
@@ -239,6 +240,7 @@ def test_up_serves_the_api_with_its_nodes_and_stops_everything_on_sigterm(
     assert _processes_mentioning(str(state)) == []
 
 
+@pytest.mark.slow  # 60 s and more under load: tidal up, a job training through two kills
 @pytest.mark.timeout(300)
 def test_up_restarts_a_killed_coordinator_and_agent_while_a_job_keeps_training(
     tmp_path: Path, procs: ProcessGroupRegistry
@@ -366,6 +368,7 @@ def test_demo_shows_the_job_shrink_grow_and_shrink_and_leaves_nothing_running(
     assert _processes_mentioning(str(state)) == []
 
 
+@pytest.mark.slow  # 60 s under load: tidal up's whole cluster
 @pytest.mark.timeout(150)
 def test_a_sigkilled_tidal_up_takes_etcd_the_coordinator_and_the_agents_with_it(
     tmp_path: Path, procs: ProcessGroupRegistry

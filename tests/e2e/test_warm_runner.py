@@ -7,6 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from rendezvous.etcd import EtcdClient
 from rendezvous.etcd.server import EtcdServer
 from rendezvous.records import Assignment, JobNodeState
@@ -100,6 +102,7 @@ def test_the_warm_runner_takes_the_job_then_a_new_one_waits_for_the_next(
         raise
 
 
+@pytest.mark.slow  # 57 s under load
 def test_a_new_generation_of_a_running_job_starts_in_a_warm_runner(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
     procs: ProcessGroupRegistry,
@@ -135,6 +138,7 @@ def test_a_new_generation_of_a_running_job_starts_in_a_warm_runner(
         raise
 
 
+@pytest.mark.slow  # 47 s under load
 def test_a_job_that_sets_pythonpath_gets_a_zygote_started_with_it(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
     procs: ProcessGroupRegistry,
@@ -189,6 +193,7 @@ def test_a_stopped_agent_discards_its_warm_runner_and_its_log(
     assert not list((cluster.workdir / "a" / "warm").iterdir())
 
 
+@pytest.mark.slow  # 32 s under load
 def test_without_warm_runners_the_agent_keeps_none(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
     procs: ProcessGroupRegistry,

@@ -74,6 +74,7 @@ def test_sigterm_saves_the_current_step_and_exits_75(
     assert resume_step(procs, tmp_path, total=last + 3) == last
 
 
+@pytest.mark.slow  # 18 s under load: two ranks start torch, twice
 def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(
     tmp_path: Path, procs: ProcessGroupRegistry
 ) -> None:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, Dataset
 
 from checkpoints.data import (
     RESIZE_POLICY_ENV,
@@ -304,43 +303,6 @@ def test_an_endless_sampler_keeps_going_and_has_no_len() -> None:
     assert all(len(b) == 1 for b in batches)
     with pytest.raises(TypeError, match="endless"):
         len(sampler)
-
-
-def test_a_dataloader_with_workers_takes_an_endless_sampler() -> None:
-    sampler = ElasticBatchSampler(dataset_len=10, global_batch_size=4, rank=0, world_size=2)
-    loader = iter(DataLoader(IndexDataset(10), batch_sampler=sampler, num_workers=2))
-    delivered = [next(loader).tolist() for _ in range(12)]
-    assert delivered == [sampler.indices_for_step(step)[0] for step in range(12)]
-
-
-class IndexDataset(Dataset[int]):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-def test_a_dataloader_with_worker_processes_delivers_the_sampler_batches_in_order() -> None:
-    def make() -> ElasticBatchSampler:
-        return ElasticBatchSampler(
-            dataset_len=50,
-            global_batch_size=12,
-            rank=1,
-            world_size=3,
-            seed=11,
-            start_step=2,
-            end_step=12,
-            max_local_batch=3,
-        )
-
-    loader = DataLoader(IndexDataset(50), batch_sampler=make(), num_workers=2)
-    delivered = [batch.tolist() for batch in loader]
-    assert delivered == list(make())
-    assert len(loader) == 10 * 2  # ten steps of two micro-batches (4 samples, at most 3 a pass)
 
 
 @pytest.mark.parametrize(

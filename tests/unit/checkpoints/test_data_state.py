@@ -12,13 +12,12 @@ from __future__ import annotations
 import collections
 import copy
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import checkpoints as ck
 from checkpoints.data import SAMPLER_STATE_FORMAT, BatchPlanError, ElasticBatchSampler
@@ -79,17 +78,6 @@ def steps_of(per_rank: list[list[list[int]]], passes: int) -> list[list[int]]:
         ]
         for k in range(steps)
     ]
-
-
-@pytest.fixture
-def shut_down() -> Iterator[list[Any]]:
-    """Data loader iterators whose worker processes are stopped at teardown, even on failure."""
-    iterators: list[Any] = []
-    yield iterators
-    for iterator in iterators:
-        stop = getattr(iterator, "_shutdown_workers", None)
-        if stop is not None:
-            stop()
 
 
 def uninterrupted(from_step: int) -> list[list[int]]:
@@ -290,19 +278,6 @@ def test_a_state_survives_torch_save_and_a_weights_only_load() -> None:
     assert torch.load(buffer, weights_only=True) == state
 
 
-def test_with_a_plain_dataloader_the_sampler_runs_ahead_of_training(
-    shut_down: list[Any],
-) -> None:
-    # Worker processes prefetch, so the sampler's own state is ahead of what
-    # training consumed: with a plain DataLoader the position comes from the
-    # checkpoint's step (start_step=resume.step), never from the sampler's state.
-    sampler = make(2, 0)
-    loader = iter(DataLoader(IndexDataset(DATASET_LEN), batch_sampler=sampler, num_workers=2))
-    shut_down.append(loader)
-    take(loader, 2)  # step 1 consumed
-    assert sampler.state_dict()["step"] > 1
-
-
 # ----------------------------------------------------- torchdata's StatefulDataLoader
 
 
@@ -320,10 +295,14 @@ def through_torch_save(state: dict[str, Any]) -> Any:
 
 
 @needs_torchdata
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_stateful_dataloader_saved_at_world_size_3_resumes_at_2_and_4(
-    num_workers: int, shut_down: list[Any]
-) -> None:
+def test_a_stateful_dataloader_saved_at_world_size_3_resumes_at_2_and_4() -> None:
+    # With worker processes: tests/integration/checkpoints/test_data_loader_workers.py.
+    resumes_at_2_and_4(num_workers=0, shut_down=[])
+
+
+def resumes_at_2_and_4(num_workers: int, shut_down: list[Any]) -> None:
+    """Save a StatefulDataLoader's state at world size 3, resume it at 2 and 4; the iterators
+    go into ``shut_down`` (their worker processes are stopped by whoever holds it)."""
     saved_at = 5
     savers = [make(3, rank) for rank in range(3)]
     passes = savers[0].plan.accumulation_steps

@@ -91,3 +91,15 @@ def test_an_unwritable_directory_does_not_stop_training(tmp_path: Path) -> None:
     reporter = FileProgressReporter(blocker / "sub", rank=0, world_size=1, interval=0.0)
     reporter.record(step=1, loss=1.0)  # logs a warning, raises nothing
     reporter.flush()
+
+
+def test_a_progress_reporter_follows_its_new_rank_and_keeps_counting(tmp_path: Path) -> None:
+    reporter = FileProgressReporter(tmp_path, rank=3, world_size=4, interval=0.0)
+    reporter.record(step=5, samples=10)
+    assert (tmp_path / "rank-3.json").exists()
+    reporter.rebind(rank=1, world_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-1.json"]
+    body = json.loads((tmp_path / "rank-1.json").read_text())
+    assert (body["rank"], body["world_size"], body["pid"]) == (1, 2, os.getpid())
+    assert (body["step"], body["first_step"]) == (5, 5)  # the same process, training on
+    NullProgressReporter().rebind(rank=0, world_size=1)  # nothing to follow

@@ -48,7 +48,7 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 MLP = REPO / "examples" / "mlp.py"
 TOTAL_STEPS = 70  # the join and the leave come within the first ~12: room for a slow test process
 ARGS = [

@@ -1,11 +1,11 @@
-"""Liveness sockets: a closed port is dead at once; a dropped connection is reported."""
+"""Liveness sockets (rendezvous.elastic.liveness), real listening sockets on loopback: a closed
+port is dead at once; a dropped connection is reported."""
 
 from __future__ import annotations
 
 import socket
 import threading
 
-from rendezvous.elastic.assigned_rounds import Member, RoundRecord, order_members
 from rendezvous.elastic.liveness import LivenessServer, PeerMonitor, Probe, probe
 
 
@@ -62,16 +62,3 @@ def test_a_refused_peer_is_reported_at_once_and_cleared_peers_never() -> None:
     finally:
         monitor.close()
         server.close()
-
-
-def _m(node: str) -> Member:
-    return Member(node=node, addr="127.0.0.1", port=1, incarnation=node)
-
-
-def test_members_keep_their_ranks_and_newcomers_follow_in_name_order() -> None:
-    previous = RoundRecord(1, (_m("c"), _m("a"), _m("b")))
-    joined = {n: _m(n) for n in ("a", "b", "d", "e")}
-    assert [m.node for m in order_members(joined, previous, 10)] == ["a", "b", "d", "e"]
-    joined["c"] = _m("c")
-    assert [m.node for m in order_members(joined, previous, 4)] == ["c", "a", "b", "d"]
-    assert [m.node for m in order_members(joined, None, 2)] == ["a", "b"]

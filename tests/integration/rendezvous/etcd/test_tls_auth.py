@@ -58,7 +58,7 @@ leaked |= b"TIDAL_ETCD_PASSWORD=" in open("/proc/self/environ", "rb").read()
 sys.exit("the etcd password reached the worker" if leaked else 0)
 """
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 SETUP_AUTH = REPO / "deploy" / "etcd" / "setup-auth.sh"
 TIMEOUT_S = 3.0
 # A bound on a hang, not a performance target (a busy 2-core machine).

@@ -129,6 +129,7 @@ def write_cluster_file(
     }))
 
 
+@pytest.mark.slow  # 21 s under load: a CLI process per command
 def test_job_commands_print_tables_and_json_and_refuse_what_the_api_refuses(
     coordinator: Coordinator,
 ) -> None:
@@ -211,6 +212,7 @@ def test_no_coordinator_unreachable_or_unconfigured_is_a_clean_error(tmp_path: P
     assert bad_id.returncode == 2 and "job id" in bad_id.stderr
 
 
+@pytest.mark.slow  # 26 s under load: a job run by an agent
 def test_submit_follows_a_job_to_success_and_logs_show_its_output(
     coordinator: Coordinator, procs: ProcessGroupRegistry, etcd_server: EtcdServer,
     etcd_root: str, tmp_path: Path,
@@ -256,6 +258,7 @@ def test_submit_follows_a_job_to_success_and_logs_show_its_output(
     clean_error(tidal("drain", "nope", env=env), 4, "node nope is not registered")
 
 
+@pytest.mark.slow  # 17 s under load: a job run by an agent
 def test_submit_exits_1_when_the_command_fails_and_status_shows_why(
     coordinator: Coordinator, procs: ProcessGroupRegistry, etcd_server: EtcdServer,
     etcd_root: str, tmp_path: Path,

@@ -8,8 +8,8 @@ import json
 import shlex
 import sys
 
-from tests.integration.service import test_cli
-from tests.integration.service.test_cli import JOB_ID_RE, Coordinator, ok, tidal
+from tests.integration.service.cli import test_cli
+from tests.integration.service.cli.test_cli import JOB_ID_RE, Coordinator, ok, tidal
 from tests.support.wait import wait_for
 
 coordinator = test_cli.coordinator  # the same fixture: a real coordinator, no agent

@@ -43,7 +43,7 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 HELLO = [sys.executable, "-c", "print('hello'); print('bye')"]
 FAILS = [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"]
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -91,6 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer
         procs.stop_all()
 
 
+@pytest.mark.slow  # 22 s under load: jobs run by an agent
 def test_the_client_drives_jobs_from_submit_to_their_end(cluster: Cluster) -> None:
     with Client(cluster.url, TOKEN) as tidal:
         [node] = tidal.nodes()
@@ -147,6 +148,7 @@ def test_the_client_drives_jobs_from_submit_to_their_end(cluster: Cluster) -> No
         stranger.list()
 
 
+@pytest.mark.slow  # 19 s under load: jobs run by an agent
 def test_the_async_client_is_the_same_client_awaited(cluster: Cluster) -> None:
     async def run() -> None:
         async with AsyncClient(cluster.url, TOKEN) as tidal:

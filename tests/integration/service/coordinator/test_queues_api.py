@@ -163,6 +163,7 @@ def _tidal(coordinator: CoordinatorProcess, tmp_path: Path, *args: str,
                           capture_output=True, timeout=60, check=False)
 
 
+@pytest.mark.slow  # 37 s under load: a CLI process per command
 def test_the_queue_commands_and_submit_to_a_queue(
     coordinator: CoordinatorProcess, nodes: None, tmp_path: Path
 ) -> None:

@@ -20,7 +20,7 @@ from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
 # Reports its steps through the checkpoints library (examples/elastic_ddp.py does not).
-MLP = Path(__file__).resolve().parents[3] / "examples" / "mlp.py"
+MLP = Path(__file__).resolve().parents[4] / "examples" / "mlp.py"
 
 
 
@@ -31,6 +31,7 @@ def _condition(view: dict[str, Any], type_: str) -> dict[str, Any]:
     return found[0] if found else {"status": False}  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # 43 s under load: a job's workers start torch
 @pytest.mark.timeout(300)
 def test_training_turns_true_when_a_worker_reports_its_first_step(
     tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, procs: ProcessGroupRegistry

@@ -1,20 +1,17 @@
-"""The agent's log route: which files, which lines, the query's checks, and the
-server's refusal of a request without its token (a real HTTP server on loopback)."""
+"""The agent's log route: which files, which lines, the query's checks (the server's refusal
+of a request without its token, on loopback: tests/integration/agent/node/test_logserve.py)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import tracemalloc
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agent.node.logserve import (
     MAX_LINE_BYTES,
     BadRequestError,
-    LogServer,
     find_log_files,
     parse_log_query,
     stream_job_logs,
@@ -162,24 +159,3 @@ def test_the_query_is_checked() -> None:
     for job in ("..", "a%2Fb", "-x"):
         with pytest.raises(InvalidIdentifierError):
             parse_log_query(f"/v1/jobs/{job}/logs")
-
-
-def test_the_server_refuses_without_its_token(tmp_path: Path) -> None:
-    _log(tmp_path, 1, 0, 0, "hello\n")
-    token = "t" * 32
-    server = LogServer(run_dir=tmp_path, token=token, active=lambda _: False).start()
-    base = f"http://127.0.0.1:{server.port}/v1/jobs/{JOB}/logs"
-    try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
-            refused = httpx.get(base, headers=headers, timeout=5)
-            assert refused.status_code == 401, headers
-            assert refused.headers["www-authenticate"] == "Bearer"
-        auth = {"Authorization": f"Bearer {token}"}
-        assert httpx.post(base, headers={}, timeout=5).status_code == 401
-        assert httpx.get(base + "?rank=x", headers=auth, timeout=5).status_code == 422
-        answer = httpx.get(base, headers=auth, timeout=5)
-        assert answer.status_code == 200
-        records = [json.loads(line) for line in answer.text.splitlines()]
-        assert records[0]["line"] == "hello" and records[-1] == {"end": True}
-    finally:
-        server.close()

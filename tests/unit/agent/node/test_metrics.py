@@ -19,7 +19,6 @@ from agent.node.settings import AgentSettings
 from agent.rundir import generation_dir, generation_dirs
 from agent.runner_metrics import RunnerMetricsRecorder, write_runner_metrics
 from rendezvous.records import Assignment, JobNodeState, JobNodeStatus, WorkerError
-from tests.support.no_torch import assert_imports_without_torch
 from tests.unit.agent.fakes import FakeEtcd
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -199,11 +198,6 @@ def test_the_collector_reads_where_the_daemon_runs_a_generation(tmp_path: Path) 
         generation_dir(tmp_path, "j", generation).mkdir(parents=True)
     (tmp_path / "jobs" / "j" / "gen-x").mkdir()
     assert generation_dirs(tmp_path, "j") == [generation_dir(tmp_path, "j", g) for g in (2, 7, 10)]
-
-
-def test_the_daemon_exports_metrics_without_importing_torch() -> None:
-    assert_imports_without_torch("agent.node.daemon", "agent.node.metrics", "agent.runner.status",
-                                 "service.up.prometheus")
 
 
 def test_the_path_each_membership_change_took_is_counted_over_generations(

@@ -12,7 +12,7 @@ from agent.node.offer import NodeOffer, evictions, held_devices, left_status, wa
 from agent.node.settings import AgentSettings
 from rendezvous.records import RUNNER_RANK, Assignment, JobNodeState, JobNodeStatus
 from tests.unit.agent.fakes import FakeEtcd
-from tests.unit.agent.test_gpus import write_inventory
+from tests.unit.agent.gpu.test_gpus import write_inventory
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -1,7 +1,7 @@
 """The live resize's files (checkpoints.protocol.live), the contract between the runner and
 its workers: each reads back as written, a malformed, huge or symlinked one reads as absent,
 and the workers' face (checkpoints.live) hands out the same names. That the runner reads
-them without torch: tests/integration/test_no_torch.py."""
+them without torch: tests/integration/test_imports.py."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from rendezvous.elastic.assigned_rounds import (
     RoundRecord,
     behind,
     complete_round,
+    order_members,
     pending_change,
     staying_peers,
     waiting_nodes,
@@ -132,3 +133,12 @@ def test_a_completed_round_holds_only_living_joined_nodes_within_the_bounds(
         assert name not in dead and not view[name].leaving and view[name].round >= 3
     old = [n for n in ROUND.nodes() if n in names]
     assert names[:len(old)] == old  # the previous members keep their ranks' order
+
+
+def test_members_keep_their_ranks_and_newcomers_follow_in_name_order() -> None:
+    previous = RoundRecord(1, (member("c"), member("a"), member("b")))
+    joined = {n: member(n) for n in ("a", "b", "d", "e")}
+    assert [m.node for m in order_members(joined, previous, 10)] == ["a", "b", "d", "e"]
+    joined["c"] = member("c")
+    assert [m.node for m in order_members(joined, previous, 4)] == ["c", "a", "b", "d"]
+    assert [m.node for m in order_members(joined, None, 2)] == ["a", "b"]

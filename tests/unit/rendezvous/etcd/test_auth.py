@@ -10,7 +10,7 @@ import pytest
 from rendezvous.etcd.auth import AGENT_USER, COORDINATOR_USER, ROLES, Role, enable_auth
 from rendezvous.keys import InvalidIdentifierError
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 SETUP_AUTH = REPO / "deploy" / "etcd" / "setup-auth.sh"
 
 

@@ -19,7 +19,7 @@ from pyetcd import etcdrpc
 
 from rendezvous.errors import EtcdError, EtcdUnavailableError
 from rendezvous.etcd import Compare, EtcdClient, EtcdConfig, Get, Put, WatchStream
-from tests.unit.rendezvous.test_etcd_translate import RpcError
+from tests.unit.rendezvous.etcd.test_translate import RpcError
 
 TIMEOUT_S = 3.0
 A, B = "127.0.0.1:1", "127.0.0.1:2"

@@ -52,7 +52,7 @@ def test_every_field_of_the_spec_is_read_and_scalars_in_lists_stay_as_written() 
 
 
 def test_the_example_job_file_is_valid() -> None:
-    path = Path(__file__).parents[3] / "examples" / "job.yaml"
+    path = Path(__file__).parents[4] / "examples" / "job.yaml"
     spec = JobSpec(**job_fields(path.read_text(), source=str(path)))
     assert spec.command[:2] == ["python", "examples/mlp.py"]
 

@@ -3,7 +3,7 @@ an answer becomes, how a wait decides, and how a job spec is built.
 
 The answers come from an ``httpx.MockTransport`` (an HTTP exchange written
 out, not a stand-in for a process); every method against a real coordinator is
-in tests/integration/service/test_client.py.
+in tests/integration/service/client/test_client.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import httpx
 from service.api.models import JobList
 from service.client import AsyncClient, Client
 from service.client.calls import Pager
-from tests.unit.service.test_client import URL
-from tests.unit.service.test_client import _view as view
+from tests.unit.service.client.test_client import URL
+from tests.unit.service.client.test_client import _view as view
 
 # Three pages, the last handing out the first page's cursor again.
 PAGES = {

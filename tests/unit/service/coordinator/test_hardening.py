@@ -1,7 +1,7 @@
 """No job can wedge scheduling: size limits, split writes, cut passes, giving up, training.
 
 Pure functions only (the scheduler, the store's operation builders, the spec's
-limits); tests/integration/service/test_hardening.py runs the same against
+limits); tests/integration/service/coordinator/test_hardening.py runs the same against
 real etcd and a real coordinator.
 """
 

@@ -6,9 +6,9 @@ from prometheus_client import CollectorRegistry
 
 from service.coordinator.metrics import ClusterCollector
 from service.coordinator.store import Snapshot
+from tests.unit.service.scheduler.test_queues import two_teams
+from tests.unit.service.scheduler.test_scheduler import running
 from tests.unit.service.sim import make_job
-from tests.unit.service.test_queues_scheduler import two_teams
-from tests.unit.service.test_scheduler import running
 
 
 def test_queue_metrics_show_guarantees_use_borrowing_waiting_and_reclaims() -> None:

@@ -11,8 +11,8 @@ from datetime import timedelta
 from rendezvous.records import JobNodeState
 from service.api.models import EventReason, JobPhase
 from service.scheduler import Policy
+from tests.unit.service.scheduler.test_scheduler import cluster, condition, running
 from tests.unit.service.sim import Sim, make_job
-from tests.unit.service.test_scheduler import cluster, condition, running
 
 
 def two_teams(nodes: int = 3) -> Sim:

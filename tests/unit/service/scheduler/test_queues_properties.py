@@ -4,7 +4,7 @@ A hypothesis state machine plays queues (guarantees, limits, weights), users
 (submitting rigid and elastic jobs of any queue and priority, cancelling),
 agents (reporting running, or success) and nodes (dying, joining), with a
 reconcile pass as one more rule. Besides every invariant of
-:mod:`tests.unit.service.test_scheduler_properties` (no slot given twice among
+:mod:`tests.unit.service.scheduler.test_scheduler_properties` (no slot given twice among
 them), after each pass:
 
 * a job shrunk by a reclaim keeps at least its minimum; a preempted one holds
@@ -33,8 +33,8 @@ from rendezvous.records import JobNodeState
 from service.api.models import JobPhase, JobRecord
 from service.scheduler import ClusterView, Decision, Policy
 from service.scheduler.types import job_order as _order
+from tests.unit.service.scheduler.test_scheduler_properties import check_pass
 from tests.unit.service.sim import Sim, Work, Workload, make_job, make_node
-from tests.unit.service.test_scheduler_properties import check_pass
 
 QUEUE_NAMES = ["a", "b", "c"]
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.ui import ASSETS, GRAFANA_DASHBOARD_UID, grafana_dashboard_url, ui_router
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _client(grafana_url: str | None = None) -> TestClient:
