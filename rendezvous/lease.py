@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from rendezvous.errors import EtcdError, LeaseExpiredError
 from rendezvous.etcd import EtcdClient
@@ -252,3 +253,43 @@ class LeaseKeeper:
             self._on_lost()
         except Exception:
             log.exception("%s: the on_lost callback of lease %x raised", self.name, self.lease_id)
+
+
+class LeaseCache:
+    """Hands out a lease for key TTLs, granting a new one when half its TTL is used.
+
+    One lease per process (not per key) keeps the number of leases small;
+    rewriting a key with a newer lease extends its life.
+    """
+
+    def __init__(self, client: EtcdClient, ttl_s: int) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._lease_id = 0
+        self._granted_at = 0.0
+
+    def get(self, timeout_s: float | None = None) -> int:
+        """The lease to write under; ``timeout_s`` bounds a grant, if one is due.
+
+        A grant that timed out and is retried may leave a lease nobody uses:
+        it holds no key and expires after its TTL, so retrying is harmless.
+        """
+        with self._lock:
+            now = time.monotonic()
+            if not self._lease_id or now - self._granted_at > self._ttl_s / 2:
+                self._lease_id = self._client.grant_lease(self._ttl_s, timeout_s=timeout_s)
+                self._granted_at = now
+            return self._lease_id
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._lease_id = 0
+
+    def with_lease(self, write: Callable[[int], Any], timeout_s: float | None = None) -> Any:
+        """Run ``write(lease_id)``; on a vanished lease, grant a new one and retry once."""
+        try:
+            return write(self.get(timeout_s))
+        except LeaseExpiredError:
+            self.invalidate()
+            return write(self.get(timeout_s))

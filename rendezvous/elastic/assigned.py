@@ -81,10 +81,11 @@ from rendezvous.elastic.assigned_state import (
     next_roster,
 )
 from rendezvous.elastic.liveness import LivenessServer, PeerMonitor
-from rendezvous.elastic.store import EtcdV3Store, LeaseCache
+from rendezvous.elastic.store import EtcdV3Store
 from rendezvous.errors import EtcdError
 from rendezvous.etcd import Compare, EtcdClient, Put, WatchEvent
 from rendezvous.keys import Keys, validate_id
+from rendezvous.lease import LeaseCache
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)

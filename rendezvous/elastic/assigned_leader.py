@@ -35,10 +35,10 @@ from rendezvous.elastic.assigned_state import (
     deputy_of,
     ring_of,
 )
-from rendezvous.elastic.store import LeaseCache
 from rendezvous.errors import EtcdError
 from rendezvous.etcd import Compare, Delete, EtcdClient, Put, TxnOp, WatchEvent
 from rendezvous.keys import Keys
+from rendezvous.lease import LeaseCache
 from rendezvous.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)

@@ -62,7 +62,6 @@ from rendezvous.elastic.store import (
     DEFAULT_KEY_TTL_S,
     DEFAULT_OUTAGE_GRACE_S,
     EtcdV3Store,
-    LeaseCache,
     ride_out_outage,
 )
 from rendezvous.errors import EtcdError
@@ -76,6 +75,7 @@ from rendezvous.etcd import (
 )
 from rendezvous.etcd.settings import ETCD_PASSWORD
 from rendezvous.keys import DEFAULT_ROOT, Keys, validate_id
+from rendezvous.lease import LeaseCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
