@@ -66,6 +66,7 @@ from agent.runner.live_path import LIVE_TIMEOUT_S, LivePath, alive
 from agent.runner.restarts import Action
 from agent.runner.setup import initial_status, make_handler, make_worker_spec
 from agent.runner.status import StatusReporter
+from agent.runner.torch_compat import SHUTDOWN_TAKES_TIMEOUT, agent_kwargs, check_torch
 from agent.runner_metrics import RESTART, RUNNER_METRICS_FILE
 from agent.spec import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, RunnerSpec
 from agent.workers.logcap import LogCap
@@ -142,9 +143,12 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         reporter: StatusReporter,
         progress_dir: Path | None = None,
         live_timeout_s: float = LIVE_TIMEOUT_S,
+        shutdown_timeout: int = 30,
         **kwargs: Any,
     ) -> None:
-        super().__init__(spec, **kwargs)
+        super().__init__(spec, **agent_kwargs(shutdown_timeout=shutdown_timeout, **kwargs))
+        # torch 2.11 keeps none (agent.runner.torch_compat); 2.12 on set the same.
+        self._shutdown_timeout = shutdown_timeout
         # Where the workers' progress, just-in-time save and live resize files are.
         self._progress_dir = progress_dir
         if progress_dir is not None:
@@ -167,7 +171,7 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         # restarted because a worker or a peer failed is stuck in a collective
         # that will not return: kill it quickly. A healthy group that is
         # resized gets the full grace, to checkpoint at its next step.
-        self._grace_s = float(kwargs.get("shutdown_timeout", 30))
+        self._grace_s = float(shutdown_timeout)
         self._stop_timeout_s = self._grace_s
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -182,12 +186,23 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         log.info("stopping the %s worker group", "broken" if broken else "healthy")
         if broken and self._progress_dir is not None and self._await_jit_saves():
             # Every worker that could save has saved: nothing is left to lose.
-            self._shutdown(death_sig=signal.SIGKILL, timeout=1)
+            self._close_workers(signal.SIGKILL, timeout=1)
         else:
-            self._shutdown(timeout=int(max(1, self._stop_timeout_s)))
+            self._close_workers(signal.SIGTERM, timeout=int(max(1, self._stop_timeout_s)))
         if self._progress_dir is not None:
             clear_reports(self._progress_dir)
             clear_live_files(self._progress_dir)
+
+    def _close_workers(self, death_sig: signal.Signals, *, timeout: int) -> None:
+        """torch's ``_shutdown`` with a SIGKILL ``timeout`` s after ``death_sig``, on every
+        supported torch: 2.11's ``_shutdown`` takes no timeout and would wait 30 s, so its
+        process context is closed here first (torch's own close then finds the workers gone)."""
+        if SHUTDOWN_TAKES_TIMEOUT:
+            self._shutdown(death_sig=death_sig, timeout=timeout)
+            return
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, timeout)
+        self._shutdown(death_sig=death_sig)
 
     def _await_jit_saves(self) -> bool:
         """Tell the workers a peer is gone; wait for their just-in-time saves (bounded).
@@ -244,6 +259,10 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         except SignalException as exc:
             if exc.sigval == signal.SIGTERM:
                 self._leave_live()
+            if not SHUTDOWN_TAKES_TIMEOUT and self._pcontext is not None:
+                # torch 2.11's run() closes the workers with PContext's own 30 s, not
+                # the grace (or what a planned leave left of it): close them here.
+                self._pcontext.close(exc.sigval, self._shutdown_timeout)
             raise
 
     def _run_group(self) -> RunResult:
@@ -357,6 +376,7 @@ def run(spec: RunnerSpec, *, progress_dir: Path, zygote: ZygoteProcess | None) -
     The environment is prepared and the zygote started by :mod:`agent.runner`,
     before this module's imports (torch) take their second and a half.
     """
+    check_torch()  # a torch whose elastic agent moved: refuse, naming the supported ones
     job = spec.assignment
     client = create_client(spec.etcd)
     reporter = StatusReporter(

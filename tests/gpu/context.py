@@ -40,7 +40,11 @@ info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": 0, "gpu_
 if torch.cuda.is_available():
     info["gpus"] = torch.cuda.device_count()
     info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(info["gpus"])]
-    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception as exc:  # no NCCL in this build: part 6 says so
+        info["nccl"] = f"unknown ({type(exc).__name__})"
 open(sys.argv[1], "w").write(json.dumps(info))
 """
 

@@ -29,6 +29,7 @@ class Deadline:
     """A point in time on the monotonic clock; ``left()`` says what remains of it."""
 
     def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
         self.at = time.monotonic() + seconds
 
     def left(self) -> float:

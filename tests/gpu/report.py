@@ -114,7 +114,8 @@ class Report:
             "parts": [part(p) for p in self.parts],
         }
 
-    def markdown(self) -> str:
+    def markdown(self, *, with_checks: bool = True) -> str:
+        """The table of parts, then (``with_checks``) each part's checks."""
         env = self.environment
         title = "# tidal GPU check" + (" (dry run: no CUDA)" if self.dry_run else "")
         lines = [
@@ -123,6 +124,8 @@ class Report:
             f"- device: {env.get('gpu_names') or 'none'}; torch {env.get('torch', '?')}, "
             f"CUDA {env.get('cuda') or '-'}, Python {env.get('python', '?')}",
             f"- wall time: {self.wall_s:.0f} s",
+            *(f"- {key}: {_cell(str(env[key]))}" for key in ("error", "warning",
+                                                           "stray_processes_killed") if key in env),
             "",
             "| part | outcome | time (s) | figures | reason |",
             "|---|---|---|---|---|",
@@ -131,6 +134,8 @@ class Report:
         for p in rows:
             lines.append(f"| {p.number}. {p.title} | {p.outcome.value} | {p.seconds:.0f} "
                          f"| {_figures(p.figures)} | {_cell(p.reason)} |")
+        if not with_checks:
+            return "\n".join(lines) + "\n"
         for p in rows:
             if not p.checks:
                 continue

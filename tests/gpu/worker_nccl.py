@@ -83,8 +83,10 @@ def mode_group(res: Result, args: argparse.Namespace) -> None:
     started = time.perf_counter()
     init("nccl", args.port)
     value = all_reduce_value("cuda")
+    version = torch.cuda.nccl.version()
     res.stage("group", init_and_first_all_reduce_s=time.perf_counter() - started, value=value,
-              nccl_version=".".join(map(str, torch.cuda.nccl.version())))
+              nccl_version=".".join(map(str, version)) if isinstance(version, tuple)
+              else str(version))
 
 
 def mode_abort_live(res: Result, args: argparse.Namespace) -> None:

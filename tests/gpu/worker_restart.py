@@ -82,7 +82,7 @@ def main() -> None:
     marks["model_built"] = time.time()
     env = compat.module("checkpoints.protocol.env", "rendezvous.worker_env")
     ckpt = ck.Checkpointer(os.environ[env.CHECKPOINT_DIR], model=model, optimizer=optimizer,
-                           keep=1, async_save=False, jit_save=False)
+                           keep=1, async_save=False, jit_save=False, handle_sigterm=False)
     resume = ckpt.restore()
     if cuda:
         torch.cuda.synchronize()

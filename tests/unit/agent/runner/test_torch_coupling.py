@@ -8,6 +8,11 @@ late and obscurely. This test names each one; when it fails after a torch
 upgrade, it says which hook moved, and agent/runner/elastic.py (with its live path's
 mixin, agent/runner/live_path.py) is the place to adapt (pyproject.toml says
 ``torch>=2.4``; the suite runs on the pinned release in the Makefile).
+
+Which members each supported release has, and the one that changed shape
+(``shutdown_timeout``, torch 2.12), are in agent/runner/torch_compat.py: these
+tests check the running torch against it (the suite runs on the Makefile's pin;
+the GPU check, tests/gpu, on the GPU machine's own torch).
 """
 
 from __future__ import annotations
@@ -16,29 +21,27 @@ import inspect
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+from agent.runner import torch_compat
 from agent.runner.elastic import TidalElasticAgent
 
-#: method -> its parameters (after self) the runner passes, first the positional ones.
+#: method -> its parameters (after self) the runner passes, first the positional ones:
+#: those of every supported release, and ``_shutdown``'s ``timeout`` where torch has it.
 METHODS: dict[str, tuple[str, ...]] = {
-    "_invoke_run": ("role",),  # overridden: the runner's own monitor loop
-    "_stop_workers": ("worker_group",),  # overridden: a grace period per cause
-    "_initialize_workers": ("worker_group",),
-    "_restart_workers": ("worker_group",),
-    "_rendezvous": ("worker_group",),  # overridden: times the rendezvous for goodput
-    "_start_workers": ("worker_group",),
-    "_monitor_workers": ("worker_group",),
-    "_shutdown": ("death_sig", "timeout"),  # by keyword
-    "_exit_barrier": (),
+    **torch_compat.METHODS,
+    "_shutdown": ("death_sig", "timeout") if torch_compat.SHUTDOWN_TAKES_TIMEOUT
+    else ("death_sig",),
 }
 
-#: attributes the runner reads or writes on a constructed agent.
-ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext",
-              "_shutdown_timeout")  # a planned leave given up on shortens it
+#: attributes the runner reads or writes on a constructed agent; ``_shutdown_timeout``
+#: (a planned leave given up on shortens it) is torch's from 2.12 on, the runner's on 2.11.
+ATTRIBUTES = (*torch_compat.ATTRIBUTES,
+              *(("_shutdown_timeout",) if torch_compat.AGENT_TAKES_SHUTDOWN_TIMEOUT else ()))
 
 
 class _NoRendezvous(RendezvousHandler):
@@ -96,3 +99,24 @@ def test_a_constructed_agent_has_the_attributes_the_runner_reads(tmp_path: Any) 
     missing = [name for name in ATTRIBUTES if not hasattr(agent, name)]
     assert not missing, f"torch's LocalElasticAgent no longer sets {missing}"
     assert agent._remaining_restarts == spec.max_restarts
+
+
+def test_this_torch_is_a_supported_one_and_its_shape_is_the_one_its_release_has() -> None:
+    torch_compat.check_torch()  # raises, naming what is missing
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert f"{major}.{minor}" in torch_compat.SUPPORTED or (major, minor) > (2, 13), (
+        f"torch {torch.__version__} is not one of {torch_compat.SUPPORTED}")
+    since_2_12 = (major, minor) >= (2, 12)
+    assert since_2_12 == torch_compat.AGENT_TAKES_SHUTDOWN_TIMEOUT
+    assert since_2_12 == torch_compat.SHUTDOWN_TAKES_TIMEOUT
+
+
+def test_the_runners_agent_keeps_a_shutdown_timeout_on_every_release(tmp_path: Any) -> None:
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=_NoRendezvous(),
+                      entrypoint="python", args=("-c", "pass"))
+    kwargs = torch_compat.agent_kwargs(shutdown_timeout=7,
+                                       logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    agent = LocalElasticAgent(spec, **kwargs)  # 2.11 refuses shutdown_timeout: not passed
+    assert ("shutdown_timeout" in kwargs) == torch_compat.AGENT_TAKES_SHUTDOWN_TIMEOUT
+    if torch_compat.AGENT_TAKES_SHUTDOWN_TIMEOUT:
+        assert agent._shutdown_timeout == 7
