@@ -57,7 +57,7 @@ def is_coordinator(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    return b"service.cli.main" in cmdline and b"coordinator" in cmdline
+    return b"service.cli" in cmdline and b"coordinator" in cmdline
 
 
 @dataclass(frozen=True)
