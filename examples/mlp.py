@@ -316,6 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [pid %(process)d] %(message)s")
     try:
         train(args, rank=rank, world_size=world_size)
+        if dist.is_initialized():
+            # Every rank is done with its collectives before any tears the group down:
+            # a rank whose peer closed its gloo connections with an operation of its own
+            # still pending can abort at exit (seen once under load: SIGABRT after "done").
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
