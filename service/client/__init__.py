@@ -36,8 +36,12 @@ The package's modules: :mod:`service.client.sync` (:class:`Client`),
 
 from __future__ import annotations
 
-from service.client.sync import (
-    CLUSTER_FILE,
+from service.client.aio import AsyncClient
+from service.client.calls import (
+    build_spec,
+    default_name,
+)
+from service.client.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
@@ -48,11 +52,7 @@ from service.client.sync import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     PHASE_EXIT,
-    AgentEntry,
     ApiError,
-    AsyncClient,
-    Client,
-    ClusterFile,
     ConflictError,
     ForbiddenError,
     InvalidRequestError,
@@ -63,18 +63,24 @@ from service.client.sync import (
     NotConfiguredError,
     NotFoundError,
     RefusedError,
-    Target,
-    TargetError,
-    TidalClient,
     TidalError,
     UnauthorizedError,
     UnavailableError,
     WaitTimeoutError,
-    build_spec,
     check_outcome,
-    default_name,
-    default_state_dir,
     exit_code,
+)
+from service.client.sync import (
+    Client,
+    TidalClient,
+)
+from service.client.target import (
+    CLUSTER_FILE,
+    AgentEntry,
+    ClusterFile,
+    Target,
+    TargetError,
+    default_state_dir,
     load_cluster,
     resolve_target,
 )

@@ -1,7 +1,7 @@
-"""The blocking client, :class:`Client`; the package :mod:`service.client` is its face.
+"""The blocking client, :class:`Client` (``TidalClient`` is its other name).
 
-It re-exports the names a user imports (the async twin, the errors, the
-cluster file's target), so that ``from service.client import ...`` is one import.
+Users import it, its async twin, the errors and the cluster file's target from
+the package :mod:`service.client`, whose face imports each from its home module.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import httpx
 
 from service.api.models import EventList, JobList, JobPhase, JobSpec, JobView, NodeView
 from service.api.queues import QueueChanged, QueueList, QueueView
-from service.client.aio import AsyncClient
 from service.client.base import DEFAULT_TIMEOUT_S, ClientBase, T
 from service.client.calls import (
     POLL_INTERVAL_S,
@@ -27,7 +26,6 @@ from service.client.calls import (
     build_spec,
     cancel_call,
     create_queue_call,
-    default_name,
     delete_queue_call,
     drain_call,
     events_call,
@@ -42,56 +40,11 @@ from service.client.calls import (
     update_queue_call,
 )
 from service.client.errors import (
-    EXIT_INTERRUPTED,
-    EXIT_JOB_CANCELLED,
-    EXIT_JOB_FAILED,
-    EXIT_NOT_CONFIGURED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    PHASE_EXIT,
     ApiError,
-    ConflictError,
-    ForbiddenError,
-    InvalidRequestError,
-    InvalidSpecError,
-    JobCancelledError,
-    JobEndedError,
-    JobFailedError,
-    NotConfiguredError,
-    NotFoundError,
-    RefusedError,
-    TidalError,
-    UnauthorizedError,
-    UnavailableError,
-    WaitTimeoutError,
     check_outcome,
-    exit_code,
-)
-from service.client.target import (
-    CLUSTER_FILE,
-    AgentEntry,
-    ClusterFile,
-    Target,
-    TargetError,
-    default_state_dir,
-    load_cluster,
-    resolve_target,
 )
 
-__all__ = [
-    "CLUSTER_FILE", "EXIT_INTERRUPTED", "EXIT_JOB_CANCELLED", "EXIT_JOB_FAILED",
-    "EXIT_NOT_CONFIGURED", "EXIT_OK", "EXIT_REFUSED", "EXIT_TIMEOUT", "EXIT_UNREACHABLE",
-    "EXIT_USAGE", "PHASE_EXIT", "AgentEntry", "ApiError", "AsyncClient", "Client",
-    "ClusterFile", "ConflictError", "ForbiddenError", "InvalidRequestError",
-    "InvalidSpecError", "JobCancelledError", "JobEndedError", "JobFailedError",
-    "NotConfiguredError", "NotFoundError", "RefusedError", "Target", "TargetError",
-    "TidalClient", "TidalError", "UnauthorizedError", "UnavailableError", "WaitTimeoutError",
-    "build_spec", "check_outcome", "default_name", "default_state_dir", "exit_code",
-    "load_cluster", "resolve_target",
-]
+__all__ = ["Client", "TidalClient"]
 
 
 class Client(ClientBase):
