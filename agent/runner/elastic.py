@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -99,6 +100,25 @@ JIT_STALL_S = 2.0
 ZYGOTE_READY_TIMEOUT_S = 60.0
 
 
+#: What torch elastic puts in a failure's message when the worker wrote no error file
+#: (its script has no ``@record``): a pointer to its docs, not the error.
+TORCH_NO_ERROR_FILE = "To enable traceback"
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)(:\s|$)")
+
+
+def error_line(output: str) -> str:
+    """The line of a worker's output that names its error: the last exception line
+    (``ValueError: ...``) after the last traceback, else the last line that is not
+    torch's pointer to its docs; "" if there is none."""
+    lines = [line.strip() for line in output.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(TORCH_NO_ERROR_FILE)]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else ""
+
+
 def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> WorkerError | None:
     """The first failure by time, with its traceback (error file, else stderr tail)."""
     if not failures:
@@ -117,6 +137,8 @@ def root_cause(failures: dict[int, ProcessFailure], stderrs: dict[int, str]) -> 
             traceback = "\n".join(lines[-60:])
         except OSError:
             pass
+    if not message or message.startswith(TORCH_NO_ERROR_FILE):
+        message = error_line(traceback) or message
     signal_name = failure.signal_name() if failure.exitcode < 0 else None
     return WorkerError(
         rank=rank,
@@ -303,7 +325,8 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         new_members = self._handler.participants()
         step = restarts.after_failure(self._budget, members, new_members)
         self._budget = step.budget
-        self._reporter.count_restart(step.reason or RestartReason.WORKER_FAILED)
+        self._reporter.count_restart(step.reason or RestartReason.WORKER_FAILED,
+                                     remaining_restarts=self._budget)
         if step.action is Action.FAIL:
             log.error("worker group failed and the restart budget is spent")
             self._handler.leave()

@@ -138,18 +138,21 @@ class StatusReporter:
         else:
             self._dirty.set()
 
-    def count_restart(self, reason: str) -> None:
+    def count_restart(self, reason: str, *, remaining_restarts: int | None = None) -> None:
+        """Count a restart for ``reason``; ``remaining_restarts``: the budget it left,
+        in the same record (the coordinator's event for a charged restart quotes it)."""
         with self._lock:
             reasons = dict(self._status.restart_reasons)
             reasons[reason] = reasons.get(reason, 0) + 1
-            self._status = self._status.model_copy(
-                update={
-                    "restart_reasons": reasons,
-                    "restart_count": self._status.restart_count + 1,
-                    "last_restart_reason": reason,
-                    "state": JobNodeState.RESTARTING,
-                }
-            )
+            update: dict[str, object] = {
+                "restart_reasons": reasons,
+                "restart_count": self._status.restart_count + 1,
+                "last_restart_reason": reason,
+                "state": JobNodeState.RESTARTING,
+            }
+            if remaining_restarts is not None:
+                update["remaining_restarts"] = remaining_restarts
+            self._status = self._status.model_copy(update=update)
             if self._recovery is not None and self._recovery.reason is None:
                 self._recovery.reason = str(getattr(reason, "value", reason))
         self.recorder.count_restart(str(getattr(reason, "value", reason)))

@@ -177,8 +177,13 @@ def wait_world_size(prom: Prometheus, job: str, size: int, cluster: LocalCluster
         wait_for(settled, timeout=WAIT_S, what=f"Prometheus to see world size {size}",
                  interval=0.5)
     except TimeoutError as exc:
-        logs = "\n".join(child_tail(p) for p in sorted(cluster.run_root.rglob("runner.log")))
-        raise AssertionError(f"{exc}\n{prom.values(expr, by='instance')}\n{logs}") from exc
+        raise AssertionError(f"{exc}\n{prom.values(expr, by='instance')}\n"
+                             f"{runner_logs(cluster)}") from exc
+
+
+def runner_logs(cluster: LocalCluster) -> str:
+    """The tail of every runner's log, for an error message."""
+    return "\n".join(child_tail(p) for p in sorted(cluster.run_root.rglob("runner.log")))
 
 
 def worker_of(cluster: LocalCluster, node_id: str) -> int:
@@ -284,16 +289,25 @@ def test_prometheus_sees_the_job_shrink_grow_restart_and_checkpoint(
     assert counted["worker_failed"] == 0 and counted["scaled"] == 0, counted
 
     # A worker is killed: a worker_failed restart at the same size, its exit code counted.
+    # Its node must be done with the join first: a failure before the new workers'
+    # first step extends the recovery under way, which stays a node_joined one.
     node = cluster.node_ids[0]
+    port = next(a.metrics_port for a in cluster.describe().agents if a.node_id == node)
+    wait_for(lambda: prom.value(f'sum(tidal_agent_job_recovery_seconds_count{{job_id="{job}",'
+                                f'reason="node_joined",instance="127.0.0.1:{port}"}})'),
+             timeout=30, what=f"{node}'s own recovery from the join", interval=0.5)
     os.kill(worker_of(cluster, node), signal.SIGKILL)
-    wait_for(lambda: restarts(prom, job).get("worker_failed", 0) >= 1, timeout=30,
-             what="a worker_failed restart", interval=0.5)
-    wait_for(lambda: prom.value(f'sum(tidal_agent_job_worker_exits_total'
-                                f'{{job_id="{job}",code="-9"}})') == 1,
-             timeout=30, what="the killed worker's exit code", interval=0.5)
-    wait_for(lambda: prom.value(f'sum(tidal_agent_job_recovery_seconds_count'
-                                f'{{job_id="{job}",reason="worker_failed"}})'),
-             timeout=40, what="a timed worker_failed recovery", interval=0.5)
+    try:
+        wait_for(lambda: restarts(prom, job).get("worker_failed", 0) >= 1, timeout=30,
+                 what="a worker_failed restart", interval=0.5)
+        wait_for(lambda: prom.value(f'sum(tidal_agent_job_worker_exits_total'
+                                    f'{{job_id="{job}",code="-9"}})') == 1,
+                 timeout=30, what="the killed worker's exit code", interval=0.5)
+        wait_for(lambda: prom.value(f'sum(tidal_agent_job_recovery_seconds_count'
+                                    f'{{job_id="{job}",reason="worker_failed"}})'),
+                 timeout=40, what="a timed worker_failed recovery", interval=0.5)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{runner_logs(cluster)}") from exc
     wait_world_size(prom, job, 3, cluster)
 
     # The user scales the job down to world size 2: the coordinator counts it; the

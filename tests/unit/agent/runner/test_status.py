@@ -374,3 +374,21 @@ def test_a_recovery_after_a_live_resize_given_up_on_starts_at_the_change(
     finally:
         reporter.close()
     assert data.recovery_seconds["node_joined"].sum >= 5.0
+
+
+def test_a_charged_restart_and_the_budget_it_left_reach_etcd_in_one_record(
+    tmp_path: Path,
+) -> None:
+    client = FakeEtcd()
+    reporter = make_reporter(tmp_path, client).start()
+    try:
+        reporter.update(state=JobNodeState.RUNNING, remaining_restarts=3)
+        reporter.count_restart(RestartReason.WORKER_FAILED, remaining_restarts=2)
+        status = wait_for(lambda: (s := client.status("j", "n")).restart_count == 1 and s,
+                          timeout=5, what="the restart in etcd")
+    finally:
+        reporter.close()
+    # Every record with the restart counted has the budget it left (the coordinator's
+    # restart_charged event quotes it): never the budget from before the restart.
+    assert status.remaining_restarts == 2
+    assert status.state == JobNodeState.RESTARTING
