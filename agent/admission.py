@@ -14,7 +14,8 @@ is gone) from running:
   job too large for one, just after them: an ignored assignment is asked
   about again);
 * the assignment must say what the record says: command, working directory,
-  environment, bounds, restart budget, grace period and checkpoint path, so
+  environment, bounds, restart budget, grace period, checkpoint path and the
+  modules its zygote preloads (which it imports in the job's workers), so
   an assignment edited after the coordinator wrote it does not run either.
 
 :func:`decide` is the pure decision. :class:`AssignmentGate` applies it for
@@ -73,6 +74,7 @@ class _JobSpecView(BaseModel):
     max_restarts: int = 3
     grace_period_s: float = 30.0
     resize_policy: _ResizePolicyView | None = None
+    zygote_preload: list[str] = Field(default_factory=list)
 
 
 class JobRecordView(BaseModel):
@@ -122,6 +124,7 @@ def _differences(assignment: Assignment, record: JobRecordView) -> list[str]:
         "max_restarts": spec.max_restarts,
         "checkpoint_dir": record.checkpoint_path,
         "grace_period_s": spec.grace_period_s,
+        "zygote_preload": spec.zygote_preload,
     }
     differ = [name for name, value in expected.items() if getattr(assignment, name) != value]
     if assignment.rdzv_conf:  # the coordinator never sets it

@@ -12,8 +12,9 @@ import re
 from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rendezvous.keys import validate_id
 
@@ -22,6 +23,13 @@ MAX_ARGV = 256
 MAX_ARG_LEN = 4096
 MAX_ENV = 128
 MAX_ENV_VALUE_LEN = 8192
+#: A dotted Python module name as ``import`` takes it: ASCII identifiers joined
+#: by dots. agent.workers.zygote, which must start without pydantic, checks the
+#: names it is given against the same pattern (a test keeps the two equal).
+MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+_MODULE_NAME_RE = re.compile(MODULE_NAME_PATTERN)
+MAX_PRELOAD = 32
+MAX_MODULE_NAME_LEN = 200
 
 
 def utcnow() -> datetime:
@@ -60,6 +68,49 @@ def check_env(value: dict[str, str], *, reserved: Callable[[str], bool] = lambda
     return value
 
 
+def check_module_names(value: list[str]) -> list[str]:
+    """Modules a job's zygote preloads: dotted Python module names, bounded, none twice.
+
+    Raises:
+        ValueError: naming the entry (``zygote_preload[i]``) and its value.
+    """
+    if len(value) > MAX_PRELOAD:
+        raise ValueError(
+            f"zygote_preload has {len(value)} modules; at most {MAX_PRELOAD} are allowed"
+        )
+    seen: set[str] = set()
+    for i, name in enumerate(value):
+        if len(name) > MAX_MODULE_NAME_LEN:
+            raise ValueError(
+                f"zygote_preload[{i}] ({name[:40]!r}...) is {len(name)} characters long; "
+                f"at most {MAX_MODULE_NAME_LEN} are allowed"
+            )
+        if not _MODULE_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"zygote_preload[{i}] ({name!r}) is not a dotted Python module name "
+                "(identifiers of letters, digits and '_' joined by dots, e.g. 'transformers')"
+            )
+        if name in seen:
+            raise ValueError(f"zygote_preload[{i}] ({name!r}) is given twice")
+        seen.add(name)
+    return value
+
+
+#: A job's ``zygote_preload`` (service.api.models.JobSpec, Assignment).
+ModuleNames = Annotated[
+    list[str],
+    AfterValidator(check_module_names),
+    Field(
+        max_length=MAX_PRELOAD,
+        json_schema_extra={
+            "items": {"type": "string", "pattern": MODULE_NAME_PATTERN,
+                      "maxLength": MAX_MODULE_NAME_LEN},
+            "uniqueItems": True,
+        },
+    ),
+]
+
+
 class Assignment(BaseModel):
     """What a node must run for one job: written by the coordinator at
     ``assignments/<node>/<job>``, read by that node's agent.
@@ -86,6 +137,9 @@ class Assignment(BaseModel):
     checkpoint_dir: str | None = Field(default=None, max_length=4096)
     rdzv_conf: dict[str, str] = Field(default_factory=dict)
     grace_period_s: float = Field(default=30.0, gt=0, le=3600)
+    # Modules the job's zygote imports after torch (the runner puts them in
+    # TIDAL_ZYGOTE_PRELOAD; a job's own environment cannot set TIDAL_*).
+    zygote_preload: ModuleNames = Field(default_factory=list)
 
     @field_validator("job_id")
     @classmethod

@@ -11,8 +11,10 @@ waits for the path of its spec on stdin. A node that has been up a few
 seconds so starts a job's workers without paying for ``python`` and
 ``import torch`` again. The zygote imported torch with the daemon's
 environment, so a job that sets an import-time variable (``PYTHONPATH``,
-``LD_PRELOAD``, ``TORCH_*``, ...; see :func:`import_time_differences`)
-gets a new zygote started with its own.
+``LD_PRELOAD``, ``TORCH_*``, ...; see :func:`import_time_differences`),
+or names modules for its zygote to preload (``zygote_preload``, which
+:func:`prepare_environment` puts in ``TIDAL_ZYGOTE_PRELOAD``), gets a new
+zygote started with its own.
 
 The working and checkpoint directories are checked here, right before use
 (:mod:`agent.workers.jobpaths`): a job whose directory is missing, is a file or has
@@ -74,6 +76,8 @@ def prepare_environment(spec: RunnerSpec) -> Path:
     worker_user = os.environ.get(ENV_WORKER_USER)  # the agent's: no job may change it
     os.environ.update(job.env)
     pin_worker_user(worker_user)
+    if job.zygote_preload:  # the job spec's list: a job's env cannot set TIDAL_*
+        os.environ[worker_env.ZYGOTE_PRELOAD] = ",".join(job.zygote_preload)
     os.environ.update(
         {
             worker_env.JOB_ID: job.job_id,

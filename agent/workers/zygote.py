@@ -7,7 +7,9 @@ before the first rendezvous: ``python -m agent.workers.zygote SOCKET RUNNER_PID`
 with the job's environment. It imports torch and what every DDP script uses,
 then serves on an abstract Unix socket (no file, so nothing is left behind
 however it ends; see :func:`new_address`), and imports the rest (``torch.optim``,
-``torch._dynamo``, ``checkpoints``) whenever no worker is waiting. For each
+``torch._dynamo``, ``checkpoints``, then the job's ``zygote_preload`` modules,
+which the runner puts in ``TIDAL_ZYGOTE_PRELOAD``; see :func:`preload_names`)
+whenever no worker is waiting. For each
 worker that torch elastic starts,
 :mod:`agent.workers.shim` (the process torch tracks and signals) connects,
 sends the command, environment and working directory as JSON with its stdin,
@@ -41,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import runpy
 import secrets
 import signal
@@ -70,6 +73,11 @@ PRELOAD_LATER = (
     "torch.distributed.elastic.multiprocessing.errors",
     "checkpoints",
 )
+#: What a name in ENV_PRELOAD must look like to be imported: a dotted module
+#: name of ASCII identifiers (rendezvous.records.MODULE_NAME_PATTERN, which the
+#: coordinator checks at submit; repeated here so the zygote starts without pydantic).
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+MAX_MODULE_NAME_LEN = 200
 MAX_REQUEST = 4 << 20
 # An ignored last argument: the room a forked worker's title may take.
 TITLE_ROOM = "-" * 512
@@ -97,6 +105,27 @@ def parse_command(command: list[str], python: str) -> tuple[str, str, list[str]]
     if rest and not rest[0].startswith("-"):
         return "path", rest[0], rest
     return None
+
+
+def preload_names(text: str) -> tuple[list[str], list[str]]:
+    """The modules of ``text`` (``ENV_PRELOAD``'s comma-separated value) to import,
+    and the entries refused because they are not dotted module names.
+
+    The coordinator checked the job's list already; this is the check where the
+    names are used, so that nothing but a module name ever reaches ``import``.
+    """
+    names: list[str] = []
+    refused: list[str] = []
+    for entry in text.split(","):
+        name = entry.strip()
+        if not name:
+            continue
+        if len(name) <= MAX_MODULE_NAME_LEN and MODULE_NAME.fullmatch(name):
+            if name not in names:
+                names.append(name)
+        else:
+            refused.append(name)
+    return names, refused
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -334,7 +363,9 @@ def main(argv: list[str]) -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
 
-    extra = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
+    extra, refused = preload_names(os.environ.get(ENV_PRELOAD, ""))
+    for name in refused:
+        log.warning("not preloading %r from %s: not a dotted module name", name[:80], ENV_PRELOAD)
     # A CUDA context must not exist before fork (the children could not use
     # CUDA): any "is CUDA available?" during the imports asks NVML instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -349,13 +380,17 @@ def main(argv: list[str]) -> None:
 
 
 def _preload(module: str) -> bool:
-    """Import ``module``; False if that left a CUDA context (no fork is safe then)."""
+    """Import ``module``; False if that left a CUDA context (no fork is safe then).
+
+    A module that cannot be imported (missing, or its code raises, even
+    ``SystemExit``) is logged and skipped: it only costs the workers speed.
+    """
     import importlib
 
     try:
         importlib.import_module(module)
-    except Exception as exc:  # a missing optional module only costs speed
-        log.warning("cannot preload %s: %s", module, exc)
+    except (Exception, SystemExit) as exc:
+        log.warning("cannot preload %s: %s: %s", module, type(exc).__name__, exc)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         log.error("CUDA was initialised while preloading %s: not forking workers", module)

@@ -38,6 +38,7 @@ from rendezvous.records import (
     MAX_ARG_LEN,
     MAX_ARGV,
     MAX_ENV_VALUE_LEN,
+    ModuleNames,
     WorkerError,
     check_command,
     check_env,
@@ -266,6 +267,9 @@ class JobSpec(BaseModel):
     grace_period_s: float = Field(
         default=30.0, gt=0, le=3600, description="SIGTERM to SIGKILL when a node leaves the job."
     )
+    zygote_preload: ModuleNames = Field(default_factory=list, description=(
+        "Modules the job's zygote imports after torch (e.g. transformers), so that"
+        " restarted and joining workers do not import them."))
 
     @model_validator(mode="before")
     @classmethod
@@ -518,6 +522,7 @@ class SpecView(BaseModel):
     resize_policy: ResizePolicy | None
     straggler_policy: StragglerPolicy = Field(default_factory=StragglerPolicy)
     grace_period_s: float
+    zygote_preload: list[str] = Field(default_factory=list)
 
     @classmethod
     def of(cls, spec: JobSpec) -> SpecView:

@@ -128,6 +128,7 @@ def assignment_for(record: JobRecord, generation: int) -> Assignment:
         max_restarts=spec.max_restarts,
         checkpoint_dir=record.checkpoint_path,
         grace_period_s=spec.grace_period_s,
+        zygote_preload=spec.zygote_preload,
     )
 
 

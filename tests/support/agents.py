@@ -142,6 +142,7 @@ def job_record_for(assignment: Assignment, nodes: dict[str, int]) -> bytes:
         nproc_per_node=assignment.nproc_per_node, max_restarts=assignment.max_restarts,
         grace_period_s=assignment.grace_period_s, working_dir=None, checkpoint_dir=None,
         node_selector={}, priority=0, resize_policy=None,
+        zygote_preload=list(assignment.zygote_preload),
     )
     record = JobRecord(
         job_id=assignment.job_id, spec=spec, cwd=assignment.cwd,

@@ -78,6 +78,7 @@ def test_an_assignment_of_another_generation_is_ignored() -> None:
         ({"checkpoint_dir": "/"}, "checkpoint_dir"),
         ({"grace_period_s": 1.0}, "grace_period_s"),
         ({"rdzv_conf": {"join_timeout": "1"}}, "rdzv_conf"),
+        ({"zygote_preload": ["evil"]}, "zygote_preload"),
     ],
 )
 def test_an_assignment_that_differs_from_its_job_record_is_ignored(
@@ -91,6 +92,21 @@ def test_an_assignment_that_differs_from_its_job_record_is_ignored(
         f"the assignment of job train-1a2b differs from its record in {field}"
     )
     assert "evil" not in admission.reason and "/tmp" not in admission.reason  # no values
+
+
+def test_the_modules_a_zygote_preloads_are_the_records_own() -> None:
+    """A forged assignment can neither add a module nor drop or reorder the record's."""
+    record = _record(zygote_preload=["transformers", "lightning"])
+    assignment = assignment_for(record, 4)
+    assert assignment.zygote_preload == ["transformers", "lightning"]
+    assert decide(assignment, "n1", _raw(record)).run
+    for forged in (["transformers", "lightning", "evil"], ["transformers"],
+                   ["lightning", "transformers"], []):
+        admission = decide(assignment.model_copy(update={"zygote_preload": forged}), "n1",
+                           _raw(record))
+        assert admission.reason == (
+            "the assignment of job train-1a2b differs from its record in zygote_preload"
+        )
 
 
 def test_a_resize_variable_not_from_the_policy_is_ignored() -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.workers.zygote import ENV_SOCKET, ZygoteProcess, new_address, parse_command, run_through
+from agent.workers.zygote import (
+    ENV_PRELOAD,
+    ENV_SOCKET,
+    ZygoteProcess,
+    new_address,
+    parse_command,
+    run_through,
+)
 from tests.support.wait import wait_for
 
 SCRIPT = """
@@ -132,6 +139,63 @@ def test_a_command_the_zygote_refuses_is_executed_as_before(
     shim = _shim(zygote, tmp_path, ["/bin/sh", "-c", "echo plain; exit 5"])
     assert shim.wait(30) == 5
     assert (tmp_path / "out.log").read_text().strip() == "plain"
+
+
+# A module of the job's that records the process that imported it.
+MARKED = """
+import os
+open(os.path.join(os.path.dirname(__file__), f"imported-in-{os.getpid()}"), "w").close()
+"""
+# A worker that looks for it before importing it (a second import would be its own).
+FINDS_PRELOADED = """
+import json, os, sys
+found = "tidal_marked" in sys.modules
+import tidal_marked
+print(json.dumps({"found": found, "zygote": os.getppid()}), flush=True)
+"""
+
+
+def test_the_jobs_preload_modules_are_imported_by_the_zygote_before_its_workers_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """What a job's zygote_preload becomes on the node (TIDAL_ZYGOTE_PRELOAD): a name
+    that is not a module name is never imported, a module that fails is logged, and
+    the zygote goes on to import the rest."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "tidal_marked.py").write_text(MARKED)
+    (lib / "tidal_boom.py").write_text("raise RuntimeError('boom at import')\n")
+    (lib / "tidal_exits.py").write_text("raise SystemExit(3)\n")
+    # A file importlib would import, under a name the pattern refuses (not ASCII).
+    (lib / "tidal_caf\u00e9.py").write_text("open(__file__ + '.imported', 'w').close()\n")
+    (tmp_path / "worker.py").write_text(FINDS_PRELOADED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(lib), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(ENV_PRELOAD, "tidal_caf\u00e9,tidal_boom,no_such_module,tidal_exits,"
+                                    "tidal_marked")
+    zygote = ZygoteProcess(os.getpid())
+    try:
+        assert zygote.wait_ready(120), "the zygote never became ready"
+        assert zygote._proc is not None
+        # It imports them after torch's later modules, while no worker waits.
+        marks = wait_for(lambda: sorted(lib.glob("imported-in-*")), timeout=180,
+                         what="the zygote to import tidal_marked")
+        assert marks == [lib / f"imported-in-{zygote._proc.pid}"]
+        shim = _shim(zygote, tmp_path, [sys.executable, "worker.py"])
+        assert shim.wait(60) == 0, (tmp_path / "out.log").read_text()
+        record = _record(tmp_path)
+        assert record == {"found": True, "zygote": zygote._proc.pid}
+        # The worker did not import it again: the zygote's mark is still the only one.
+        assert sorted(lib.glob("imported-in-*")) == marks
+        assert zygote._proc.poll() is None
+        assert not (lib / "tidal_caf\u00e9.py.imported").exists()
+    finally:
+        zygote.close()
+    log = capfd.readouterr().err
+    assert "not preloading 'tidal_caf\u00e9'" in log
+    assert "cannot preload tidal_boom: RuntimeError: boom at import" in log
+    assert "cannot preload no_such_module: ModuleNotFoundError" in log
+    assert "cannot preload tidal_exits: SystemExit: 3" in log
 
 
 def _alive(pid: int) -> bool:

@@ -137,6 +137,22 @@ def test_a_shell_string_is_one_literal_argument_never_run_through_a_shell(
     assert Assignment.model_validate_json(kv.value).command == ["echo", "x; rm -rf /"]
 
 
+def test_a_jobs_zygote_preload_list_reaches_its_assignment_and_a_bad_name_is_a_422(
+    api: httpx.Client, register: object, etcd_client: EtcdClient
+):
+    response = api.post("/v1/jobs", json=job_spec(zygote_preload=["transformers", "my-lib"]))
+    assert response.status_code == 422, response.text
+    assert "zygote_preload[1] ('my-lib') is not a dotted Python module name" in (
+        response.json()["error"]), response.text
+    register("n-1")  # type: ignore[operator]
+    job = _submit(api, zygote_preload=["transformers", "lightning.pytorch"])
+    assert job["spec"]["zygote_preload"] == ["transformers", "lightning.pytorch"]  # type: ignore[index]
+    key = etcd_client.keys.assignment("n-1", str(job["job_id"]))
+    kv = wait_for(lambda: etcd_client.get(key), timeout=15, what="the assignment")
+    assert Assignment.model_validate_json(kv.value).zygote_preload == [
+        "transformers", "lightning.pytorch"]
+
+
 def test_secrets_in_the_environment_are_never_echoed(
     coordinator: CoordinatorProcess, api: httpx.Client, register: object
 ):

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from rendezvous.records import MODULE_NAME_PATTERN
 from service.api.models import (
     TRANSITIONS,
     IllegalTransitionError,
@@ -94,6 +95,46 @@ def test_a_resize_policy_reaches_the_workers_through_their_environment() -> None
     assert policy.env() == {"TIDAL_RESIZE_POLICY": "sqrt", "TIDAL_GLOBAL_BATCH_SIZE": "512"}
 
 
+def test_zygote_preload_takes_dotted_module_names_in_order() -> None:
+    assert spec().zygote_preload == []
+    names = ["transformers", "lightning.pytorch", "_private", "torch.nn.functional", "a1.b_2"]
+    assert spec(zygote_preload=names).zygote_preload == names
+    assert spec(zygote_preload=[f"m{i}" for i in range(32)]).zygote_preload[-1] == "m31"
+
+
+@pytest.mark.parametrize(
+    ("names", "error"),
+    [
+        (["transformers", "my-lib"], "zygote_preload[1] ('my-lib') is not a dotted Python module"),
+        (["os; rm -rf /"], "zygote_preload[0] ('os; rm -rf /') is not a dotted Python module"),
+        (["../evil"], "zygote_preload[0] ('../evil') is not a dotted Python module name"),
+        ([".relative"], "zygote_preload[0] ('.relative') is not a dotted Python module name"),
+        (["trailing."], "zygote_preload[0] ('trailing.') is not a dotted Python module name"),
+        (["a..b"], "zygote_preload[0] ('a..b') is not a dotted Python module name"),
+        (["1st"], "zygote_preload[0] ('1st') is not a dotted Python module name"),
+        ([""], "zygote_preload[0] ('') is not a dotted Python module name"),
+        (["torch\n"], "zygote_preload[0] ('torch\\n') is not a dotted Python module name"),
+        (["torch,numpy"], "zygote_preload[0] ('torch,numpy') is not a dotted Python module"),
+        (["caf\u00e9"], "zygote_preload[0] ('caf\u00e9') is not a dotted Python module name"),
+        (["numpy", "scipy", "numpy"], "zygote_preload[2] ('numpy') is given twice"),
+        (["m" * 201], "zygote_preload[0] ('mmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmm'...) is 201"),
+        ([f"m{i}" for i in range(33)], "zygote_preload has 33 modules; at most 32 are allowed"),
+        ("transformers", "zygote_preload"),  # a list, not a comma-separated string
+        ([1], "zygote_preload.0"),
+    ],
+)
+def test_zygote_preload_refuses_what_is_not_a_module_name_naming_it(
+    names: object, error: str
+) -> None:
+    assert error in refused(zygote_preload=names)
+
+
+def test_zygote_preload_is_described_in_the_openapi_schema() -> None:
+    field = JobSpec.model_json_schema()["properties"]["zygote_preload"]
+    assert "zygote" in field["description"] and field["maxItems"] == 32
+    assert field["items"]["pattern"] == MODULE_NAME_PATTERN and field["uniqueItems"] is True
+
+
 _VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True),
     st.text(max_size=20), st.lists(st.text(max_size=5), max_size=3),
@@ -104,7 +145,8 @@ _VALUES = st.one_of(
 @given(st.dictionaries(
     st.sampled_from(["name", "command", "working_dir", "env", "min_nodes", "max_nodes",
                      "nproc_per_node", "checkpoint_dir", "max_restarts", "node_selector",
-                     "priority", "resize_policy", "grace_period_s", "other"]),
+                     "priority", "resize_policy", "grace_period_s", "zygote_preload",
+                     "other"]),
     _VALUES, max_size=8,
 ))
 @settings(max_examples=200, deadline=None)

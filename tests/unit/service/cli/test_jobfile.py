@@ -29,6 +29,7 @@ node_selector:
 resize_policy:
   global_batch_size: 256
   lr_rule: sqrt
+zygote_preload: [transformers, lightning.pytorch]
 """
 
 
@@ -49,6 +50,7 @@ def test_every_field_of_the_spec_is_read_and_scalars_in_lists_stay_as_written() 
     assert spec.node_selector == {"zone": "a"}
     assert spec.resize_policy is not None
     assert (spec.resize_policy.global_batch_size, spec.resize_policy.lr_rule) == (256, "sqrt")
+    assert spec.zygote_preload == ["transformers", "lightning.pytorch"]
 
 
 def test_the_example_job_file_is_valid() -> None:
@@ -104,6 +106,9 @@ def test_unknown_or_repeated_keys_name_the_key_and_its_line(text: str, wanted: s
     ("command: [x]\nenv:\n  A:\n", "job.yaml:3: env.A: must be a string"),
     ("command: [x]\nworking_dir: ../up\n", "job.yaml:2: working_dir:"),
     ("command: [x]\nmin_nodes: 3\nmax_nodes: 1\n", "job.yaml:2: min_nodes:"),
+    ("command: [x]\nzygote_preload: [transformers, my-lib]\n",
+     "job.yaml:2: zygote_preload: Value error, zygote_preload[1] ('my-lib') is not a dotted"),
+    ("command: [x]\nzygote_preload: transformers\n", "job.yaml:2: zygote_preload: Input should"),
     ("name: x\n", "job.yaml: no command"),
     ("", "job.yaml: empty"),
     ("- a\n", "job.yaml:1: the file must be a mapping"),
