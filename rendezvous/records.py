@@ -138,8 +138,10 @@ class Assignment(BaseModel):
     rdzv_conf: dict[str, str] = Field(default_factory=dict)
     grace_period_s: float = Field(default=30.0, gt=0, le=3600)
     # Modules the job's zygote imports after torch (the runner puts them in
-    # TIDAL_ZYGOTE_PRELOAD; a job's own environment cannot set TIDAL_*).
-    zygote_preload: ModuleNames = Field(default_factory=list)
+    # TIDAL_ZYGOTE_PRELOAD; a job's own environment cannot set TIDAL_*). Left out of
+    # the record when empty, so that an agent from before the field (which refuses
+    # unknown fields) still takes the jobs that do not use it.
+    zygote_preload: ModuleNames = Field(default_factory=list, exclude_if=lambda v: not v)
 
     @field_validator("job_id")
     @classmethod
