@@ -386,8 +386,11 @@ class Checkpointer(LiveResizing):
         if not (steps_due or time_due):
             if self._prepare_calls:
                 self._prepare_buffers()
+            self._remember_rng(step)
             return False
-        return self._save(step, wait_for_previous=self._sharded, block=not self._async)
+        saved = self._save(step, wait_for_previous=self._sharded, block=not self._async)
+        self._remember_rng(step)
+        return saved
 
     def recover(self, exc: BaseException) -> int:
         """The step in flight raised ``exc``: recover in place if a member was lost.

@@ -11,7 +11,8 @@ process receives the state in :meth:`~checkpoints.checkpointer.Checkpointer.rest
 After an unplanned loss the group is broken and cannot agree on anything:
 :meth:`LiveResizing._recover_in_place` abandons it, takes the runner's next
 round (a notice marked ``lost``), syncs the state from the survivor furthest
-ahead and calls ``on_resize`` with the step to repeat.
+ahead, rewinds the random generators to the start of the step to repeat
+(:meth:`LiveResizing._remember_rng`) and calls ``on_resize`` with it.
 
 :class:`LiveResizing` is the part of the
 :class:`~checkpoints.checkpointer.Checkpointer` that does this; the names it
@@ -47,6 +48,7 @@ from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter
 from checkpoints.restoring import Resume
 from checkpoints.saving import Saves
 from checkpoints.signals import StepConsensus, StopSignal
+from checkpoints.state import capture_rng, restore_rng
 
 __all__ = ["LiveResizing"]
 
@@ -80,6 +82,9 @@ class LiveResizing:
     _on_resize: Callable[[Resize], None] | None
     _live: WorkerLink | None
     _unblock: Unblocker | None
+    # The random generators' states at the last step boundary, and its step: a step
+    # discarded after a lost member is taken again from them (see _remember_rng).
+    _step_rng: tuple[int, dict[str, Any]] | None = None
     # The checkpointer's methods this part calls.
     _init_distributed: Callable[[], None]
     _make_jit: Callable[[bool], JustInTimeSaver | None]
@@ -188,6 +193,14 @@ class LiveResizing:
             time.monotonic() - started,
         )
 
+    def _remember_rng(self, step: int) -> None:
+        """At the boundary after ``step``, with the in-place path on: the generators'
+        states the next step starts from (torch's, CUDA's, ``random``'s, numpy's; tens of
+        microseconds). A step discarded after a lost member is then taken again with the
+        same dropout masks and augmentations, as if it had never started."""
+        if self._live is not None and self._on_resize is not None:
+            self._step_rng = (step, capture_rng())
+
     def _recover_in_place(self, exc: BaseException) -> int:
         """A collective of the step in flight failed (a member is lost): re-form the group
         without it, keep this process, and return the step to go on from.
@@ -230,6 +243,11 @@ class LiveResizing:
         if synced.state is not None:  # one step behind: take the step the others completed
             self._take_live_state(synced)
             step = synced.step
+        elif self._step_rng is not None and self._step_rng[0] == step:
+            # The step after ``step`` is taken again: from the generators' states it
+            # started from. (A failure in the boundary's own reduction, before they
+            # were remembered, completed its step: nothing is taken again.)
+            restore_rng(self._step_rng[1])
         self._live_step = step
         self._jit = self._make_jit(self._jit_wanted)
         self._live.round = notice.round

@@ -19,6 +19,7 @@ import collections
 import datetime
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -251,6 +252,37 @@ def test_a_single_rank_announces_the_live_path_resizes_into_a_new_group_and_with
     assert len(seen) == 1
     ckpt.close()
     assert read_worker_live(single_rank, 0) is None  # closed: it can no longer resize
+
+
+def test_a_step_discarded_after_a_lost_member_is_taken_again_with_the_same_random_numbers(
+    single_rank: Path, tmp_path: Path
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[Resize] = []
+    ckpt = Checkpointer(tmp_path / "ckpt", model=model, optimizer=optimizer,
+                        handle_sigterm=False, on_resize=seen.append)
+    assert ckpt.restore().fresh
+    torch.manual_seed(7)
+    random.seed(7)
+    ckpt.maybe_save(1)
+    # Step 2 starts: a dropout mask and an augmentation drawn, then its all-reduce fails.
+    mask = model(torch.ones(2, 3)).detach()
+    jitter = random.random()
+    model(torch.ones(2, 3)).sum().backward()
+    write_resize_notice(single_rank, ResizeNotice(
+        round=2, master_addr="127.0.0.1", master_port=free_port(), world_size=1, ranks={0: 0},
+        written_at=time.time(), group_rank=0, group_world_size=1, lost=True,
+    ))
+    assert ckpt.recover(dist.DistError("gloo: Connection closed by peer")) == 1
+    assert seen == [Resize(rank=0, world_size=1, previous_world_size=1, step=1, round=2,
+                           lost=True)]
+    assert all(p.grad is None for p in model.parameters())  # the partial step is gone
+    # Step 2 again, from the generators' states it first started from.
+    assert torch.equal(model(torch.ones(2, 3)).detach(), mask)
+    assert random.random() == jitter
+    ckpt.maybe_save(2)
+    ckpt.close()
 
 
 def test_without_on_resize_or_a_progress_directory_nothing_is_announced(
