@@ -11,6 +11,8 @@
   goes through one path that applies a deadline, translates errors and retries
   what is safe to retry.
 * :mod:`rendezvous.etcd.stream`: ``WatchStream``, one watch as a plain iterator.
+* :mod:`rendezvous.etcd.keepalive`: ``KeepAliveStream``, etcd's LeaseKeepAlive
+  stream, which carries the keep-alives of every lease of a process.
 
 This package re-exports the public names, so that callers keep one import:
 ``from rendezvous.etcd import EtcdClient, create_client, Put, ...``; nothing
@@ -32,6 +34,7 @@ from rendezvous.etcd.endpoints import (  # noqa: E402
     EndpointPicker,
 )
 from rendezvous.etcd.facade import EtcdClient, create_client  # noqa: E402
+from rendezvous.etcd.keepalive import KeepAliveStream  # noqa: E402
 from rendezvous.etcd.stream import WatchStream  # noqa: E402
 from rendezvous.etcd.types import (  # noqa: E402
     Compare,
@@ -60,6 +63,7 @@ __all__ = [
     "EtcdClient",
     "EtcdConfig",
     "Get",
+    "KeepAliveStream",
     "KeyValue",
     "Put",
     "TxnOp",

@@ -41,6 +41,7 @@ from pyetcd import etcdrpc
 from rendezvous.errors import EtcdError, EtcdUnavailableError, LeaseExpiredError
 from rendezvous.etcd import LOGGER_NAME
 from rendezvous.etcd.config import EtcdConfig
+from rendezvous.etcd.keepalive import KeepAliveStream
 from rendezvous.etcd.messages import (
     delete_request,
     key_value,
@@ -213,11 +214,15 @@ class EtcdClient:
         except TokenRejectedError as exc:
             if self.config.user is None:
                 raise
-            with self._auth_lock:
-                if self._client.metadata == token:  # no other thread got a new one yet
-                    log.info("%s; authenticating again", exc)
-                    self._authenticate()
+            self._renew_token(token, exc)
             return self._attempt(what, call, timeout, round_trip)
+
+    def _renew_token(self, seen: Any, why: Exception) -> None:
+        """Authenticate again, unless another thread did since ``seen`` was our token."""
+        with self._auth_lock:
+            if self._client.metadata == seen:
+                log.info("%s; authenticating again", why)
+                self._authenticate()
 
     def _attempt(
         self, what: str, call: Callable[[], T], timeout: float, round_trip: bool = True
@@ -397,6 +402,32 @@ class EtcdClient:
         if ttl <= 0:
             raise LeaseExpiredError(f"lease {lease_id:x} has expired")
         return ttl
+
+    def lease_keepalive(self) -> KeepAliveStream:
+        """Open one LeaseKeepAlive stream, for the keep-alives of many leases.
+
+        The stream lives until cancelled; its owner sends lease ids and reads
+        ``(id, ttl)`` answers (see :class:`~rendezvous.etcd.keepalive.KeepAliveStream`).
+        It carries the client's auth token; when etcd rejects the token the
+        client authenticates again, so that the next stream carries a fresh one.
+        :class:`rendezvous.lease.KeepAlives` keeps every lease of a process on one.
+        """
+        what = "lease keep-alive stream"
+        token = self._client.metadata
+
+        def token_rejected() -> None:
+            if self.config.user is not None:
+                self._renew_token(token, EtcdError(f"etcd refused the token of the {what}"))
+
+        return KeepAliveStream(
+            open_call=lambda requests: self._call(
+                what, lambda: self._client.open_keepalive(requests), self._timeout,
+                round_trip=False,
+            ),
+            translate=self._translate,
+            blame=self._client.blame,
+            token_rejected=token_rejected,
+        )
 
     def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease in seconds; -1 if it does not exist."""

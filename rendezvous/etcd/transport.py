@@ -149,6 +149,15 @@ class Transport(MultiEndpointEtcd3Client):  # type: ignore[misc]  # pyetcd is un
         call = stub.Watch(requests, credentials=self.call_credentials, metadata=self.metadata)
         return call, self.used
 
+    def open_keepalive(self, requests: Iterator[Any]) -> tuple[Any, str | None]:
+        """Open a LeaseKeepAlive stream (no deadline: it lives until cancelled) and
+        say which endpoint it went to."""
+        stub = self.leasestub
+        call = stub.LeaseKeepAlive(
+            requests, credentials=self.call_credentials, metadata=self.metadata
+        )
+        return call, self.used
+
     def set_token(self, token: str, *, secure: bool) -> None:
         """Send ``token`` with every call from now on."""
         # gRPC refuses to send call credentials over a plain channel ("does not
