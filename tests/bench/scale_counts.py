@@ -30,6 +30,13 @@ etcd has gone quiet:
 * ``dropped``: survivors not back in the round of the right size by the deadline, or
   whose handler failed; ``formation_s``: the act to the last survivor back.
 
+``--soak N`` runs instead ten
+consecutive changes at N members beside ``--busy`` (2) Python processes that each spin a
+CPU (started and stopped here, by process group), and checks each: ``leases_lost`` (keepers
+that declared their lease lost, counted in this process), ``false_losses`` (``m/lost/``
+marks of members never killed), ``world_exact`` (every survivor's every round since the act
+has the new size) and ``dropped``.
+
 Wall times on a shared 2-core machine measure contention more than the protocol; the
 counts do not depend on the machine.
 """
@@ -41,7 +48,9 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -55,6 +64,8 @@ from typing import Any
 from rendezvous.elastic.assigned import AssignedRendezvousHandler
 from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
 from rendezvous.etcd.server import EtcdServer
+from rendezvous.keys import Keys
+from rendezvous.lease import LeaseKeeper
 
 POLL_S = 0.1  # agent/runner/elastic.py's monitor_interval
 LEASE_TTL_S = 10
@@ -76,6 +87,18 @@ def _counting_connect(*args: Any, **kwargs: Any) -> socket.socket:
 
 
 socket.create_connection = _counting_connect  # type: ignore[assignment]
+
+_leases_lost = [0]
+_real_declare_lost = LeaseKeeper._declare_lost
+
+
+def _counting_declare_lost(self: LeaseKeeper, why: str) -> None:
+    if not self._closed.is_set() and not self._lost.is_set():
+        _leases_lost[0] += 1  # a crashed member's keeper is closed first: not counted
+    _real_declare_lost(self, why)
+
+
+LeaseKeeper._declare_lost = _counting_declare_lost  # type: ignore[method-assign]
 
 
 # etcd's /metrics ---------------------------------------------------------------------------
@@ -196,7 +219,15 @@ class Swarm:
         self.clients: list[EtcdClient] = [create_client(config) for _ in range(CLIENTS)]
         self.root = root
         self.members: dict[str, Member] = {}
+        self.crashed: set[str] = set()
         self.count = 0
+
+    def falsely_lost(self) -> set[str]:
+        """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed."""
+        client = self.clients[0]
+        prefix = client.keys.assigned_lost_prefix(JOB)
+        marks, _ = client.get_prefix(prefix)
+        return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - self.crashed
 
     def spawn(self, n: int, first_min: int) -> list[Member]:
         made = []
@@ -222,13 +253,12 @@ class Swarm:
                 and not m.leaving.is_set()]
 
     def leader(self) -> Member:
-        """The member that writes rounds; rank 0 where every member writes them."""
+        """The member that writes rounds."""
         alive = self.alive()
         for m in alive:
             if getattr(m.handler, "is_leader", lambda: False)():
                 return m
-        return min(alive, key=lambda m: m.handler._mine.nodes().index(m.node)  # type: ignore[union-attr]
-                   if m.handler._mine else 1 << 30)
+        return alive[0]  # between leaders (one died, its successor not yet in): any member
 
     def close(self) -> None:
         for m in self.members.values():
@@ -280,11 +310,12 @@ def one_change(swarm: Swarm, endpoint: str, kind: str, n: int) -> dict[str, Any]
     else:
         gone = None
     wait_quiet(endpoint, 30)
-    before, cpu0, conn0 = scrape(endpoint), thread_cpu(), _connects[0]
+    before, cpu0, conn0, lost0 = scrape(endpoint), thread_cpu(), _connects[0], _leases_lost[0]
     proc0 = time.process_time()
     act = time.time()
     if kind in ("kill", "kill-leader"):
         assert gone is not None
+        swarm.crashed.add(gone.node)
         gone.crash()
         stay = [m for m in alive if m is not gone]
     elif kind == "leave":
@@ -307,6 +338,10 @@ def one_change(swarm: Swarm, endpoint: str, kind: str, n: int) -> dict[str, Any]
     def delta(key: str) -> int:
         return int(after.get(key, 0) - before.get(key, 0))
 
+    # World size exact: every survivor's every round since the act has the new size
+    # (a member falsely lost and put back shows as a smaller round, then a larger one).
+    sizes = [r[2] for m in stay for r in m.rounds if r[0] > act]
+
     return {
         "change": kind, "members": n, "survivors": world,
         "etcd_write_txns": delta("etcd_server_proposals_committed_total"),
@@ -320,6 +355,11 @@ def one_change(swarm: Swarm, endpoint: str, kind: str, n: int) -> dict[str, Any]
         "process_cpu_ms": round(1000 * (proc1 - proc0), 1),
         "dropped": sum(1 for m in stay if not m.back_in(world, act) or m.error),
         "formation_s": round(max(backs) - act, 3) if backs else None,
+        "leases_lost": _leases_lost[0] - lost0,
+        "false_losses": len(swarm.falsely_lost()),
+        "world_exact": bool(sizes) and all(size == world for size in sizes),
+        "rounds_seen": max((len({r[1] for r in m.rounds if r[0] > act}) for m in stay),
+                           default=0),
     }
 
 
@@ -348,14 +388,78 @@ def run_size(endpoint: str, n: int, protocol: str) -> list[dict[str, Any]]:
     return rows
 
 
+# ten consecutive changes beside busy loops ------------------------------------------------------
+
+SOAK_KINDS = ("kill", "join", "kill-leader", "join", "leave",
+              "kill", "join", "kill-leader", "join", "leave")
+SOAK_COLUMNS = ("change", "members", "leases_lost", "false_losses", "world_exact", "dropped",
+                "rounds_seen", "etcd_write_txns", "watch_events", "formation_s")
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Any:
+    """``count`` Python processes that each spin a CPU, stopped by process group at the end."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+             for _ in range(count)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def run_soak(endpoint: str, n: int, busy: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Form a round of ``n`` members, then run SOAK_KINDS back to back beside ``busy`` loops.
+
+    Every change is counted (one_change) and checked: no lease lost, no member
+    falsely marked lost, every survivor's rounds of the new size only, none dropped.
+    """
+    swarm = Swarm(endpoint, f"/bench-soak-{n}-{os.getpid()}")
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"members": n, "busy_loops": busy}
+    try:
+        start = time.time()
+        swarm.spawn(n, n)
+        formed = wait(lambda: all(m.back_in(n, start) or m.error
+                                  for m in swarm.members.values()), CHANGE_DEADLINE_S * 2,
+                      f"{n} members in their first round")
+        summary["first_round_s"] = round(time.time() - start, 1)
+        errors = [m.error for m in swarm.members.values() if m.error]
+        if not formed or errors:
+            summary["failed"] = errors[0] if errors else "no first round"
+            return rows, summary
+        print(f"{n} members formed their first round in {summary['first_round_s']} s", flush=True)
+        with busy_loops(busy) as pids:
+            summary["busy_pids"] = pids
+            for kind in SOAK_KINDS:
+                row = one_change(swarm, endpoint, kind, len(swarm.alive()))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if row["dropped"]:
+                    break
+            summary["load_average"] = os.getloadavg()
+    finally:
+        swarm.close()
+    summary.update(
+        changes=len(rows),
+        leases_lost=sum(r["leases_lost"] for r in rows),
+        false_losses=max((r["false_losses"] for r in rows), default=0),
+        world_exact=bool(rows) and all(r["world_exact"] for r in rows),
+        dropped=sum(r["dropped"] for r in rows),
+    )
+    return rows, summary
+
+
 COLUMNS = ("protocol", "change", "members", "etcd_write_txns", "watch_events", "etcd_bytes_out",
            "liveness_connects", "per_member_cpu_ms", "leader_cpu_ms", "dropped", "formation_s")
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "-")) for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -365,7 +469,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--protocol", default="leader",
                         help="a label for the rows: the protocol of the checked-out code")
     parser.add_argument("--out", type=Path, default=Path("build/bench-scale.json"))
+    parser.add_argument("--soak", type=int, default=0, metavar="N",
+                        help="instead: ten consecutive changes at N members beside busy loops")
+    parser.add_argument("--busy", type=int, default=2, help="busy loops beside --soak")
     args = parser.parse_args(argv)
+    if args.soak:
+        with EtcdServer() as etcd:
+            soak_rows, summary = run_soak(etcd.endpoint, args.soak, args.busy)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        soak_meta = {"cores": os.cpu_count(), "lease_ttl_s": LEASE_TTL_S}
+        args.out.write_text(json.dumps({"meta": soak_meta, "summary": summary,
+                                        "rows": soak_rows}, indent=1))
+        print(table(soak_rows, SOAK_COLUMNS))
+        print(json.dumps(summary))
+        return
     rows: list[dict[str, Any]] = []
     with EtcdServer() as etcd:
         for n in (int(x) for x in args.nodes.split(",") if x):
