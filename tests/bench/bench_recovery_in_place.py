@@ -4,21 +4,23 @@ beside the restart path.
 Run with ``flock /tmp/tidal-quiet.lock .venv/bin/python -m pytest -m bench -s
 tests/bench/bench_recovery_in_place.py``
 (``BENCH_IN_PLACE_KILLS=N``: kills per path, 10 by default;
-``BENCH_IN_PLACE_PATHS=in-place`` or ``restart`` runs one path only).
+``BENCH_IN_PLACE_PATHS=in-place`` or ``restart`` runs one path only;
+``BENCH_IN_PLACE_NODES=8``: the job's nodes, 3 by default).
 
 One job of ``examples/mlp.py`` (float64, the checkpoints library, DDP over gloo,
-a checkpoint every 20 steps, a step every 0.05 s) on three ``tidal agent``
-processes on loopback (min 1, max 3 nodes; the assignments are written straight
-into etcd, as in tests/bench/bench_recovery.py). Then, ``N`` times: once the job
-trains at world size 3, the newest node is SIGKILLed with its process group (a
-dying machine) at an arbitrary moment of a step; once the two survivors train
-at world size 2, a fresh node (a new agent) is assigned and joins. The two
+a checkpoint every 20 steps, a step every 0.05 s) on ``NODES`` (3) ``tidal agent``
+processes on loopback (min 1, max ``NODES`` nodes; the assignments are written
+straight into etcd, as in tests/bench/bench_recovery.py). Then, ``N`` times: once
+the job trains at world size ``NODES``, the newest node is SIGKILLed with its
+process group (a dying machine) at an arbitrary moment of a step; once the
+survivors train at world size ``NODES - 1``, a fresh node (a new agent) is
+assigned and joins. The two
 paths run the same script: with ``--live-resize`` the survivors recover **in
 place**; without it the runner takes the **restart** path (just-in-time save,
 stop, restart from the zygote, restore).
 
 **Recovery** = from the kill to the first step a survivor completes at world size
-2. For the in-place path, from the survivors' own log lines (the worker that
+``NODES - 1``. For the in-place path, from the survivors' own log lines (the worker that
 logged the first step at 2; :func:`in_place_breakdown`):
 
 * *detect + unblock*: kill -> the survivor's collective raised (gloo sees the dead
@@ -57,6 +59,7 @@ ARGS = [
     "--total-steps", "1000000", "--global-batch-size", "10", "--dataset-size", "96",
     "--dtype", "float64", "--every-steps", "20", "--seed", "5", "--step-seconds", "0.05",
 ]
+NODES = int(os.environ.get("BENCH_IN_PLACE_NODES", "3"))
 _STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) loss")
 _FAILED = "a collective failed at step"
 _RECOVERED = re.compile(r"recovered in place .* in ([\d.]+) s \(notice ([\d.]+) s, "
@@ -125,7 +128,7 @@ def in_place_breakdown(path: Path, *, killed: float, first: float) -> dict[str, 
 
 
 def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str,
-             client: EtcdClient, *, live: bool, kills: int) -> list[Kill]:
+             client: EtcdClient, *, live: bool, kills: int, nodes: int = 3) -> list[Kill]:
     tmp.mkdir(parents=True, exist_ok=True)
     cluster = AgentCluster(etcd_endpoint=etcd.endpoint, etcd_root=root, workdir=tmp, procs=procs)
     job_id = "in-place" if live else "restart"
@@ -133,26 +136,26 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
     if live:
         command.append("--live-resize")
     job = Assignment(job_id=job_id, command=command, env={"OMP_NUM_THREADS": "1"},
-                     min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10)
+                     min_nodes=1, max_nodes=nodes, max_restarts=0, grace_period_s=10)
     prefix = "i" if live else "r"  # node ids of their own: the other path's job is not theirs
-    members = [f"{prefix}a", f"{prefix}b", f"{prefix}c"]
+    members = [f"{prefix}{chr(ord('a') + i)}" for i in range(nodes)]
     for node in members:
         cluster.start_agent(node)
         assign(client, node, job)
     out: list[Kill] = []
     try:  # a run that times out keeps the kills measured before (the report says how many)
         for i in range(kills):
-            wait_for(lambda: nodes_in_state(client, job_id, set(members), size=3), timeout=240,
-                     what=f"{members} at world size 3")
-            at3 = time.time()
-            wait_for(functools.partial(first_step_at, tmp, 3, after=at3 + 0.5), timeout=240,
-                     what="steps at world size 3")
+            wait_for(lambda: nodes_in_state(client, job_id, set(members), size=nodes),
+                     timeout=240, what=f"{members} at world size {nodes}")
+            whole = time.time()
+            wait_for(functools.partial(first_step_at, tmp, nodes, after=whole + 0.5),
+                     timeout=240, what=f"steps at world size {nodes}")
             victim = members.pop()
             killed = time.time()
             cluster.kill_agent(victim)
             unassign(client, victim, job_id)
-            first = wait_for(functools.partial(first_step_at, tmp, 2, after=killed), timeout=240,
-                             what="a step at world size 2")
+            first = wait_for(functools.partial(first_step_at, tmp, nodes - 1, after=killed),
+                             timeout=240, what=f"a step at world size {nodes - 1}")
             assert first is not None
             stamp, path = first
             parts = in_place_breakdown(path, killed=killed, first=stamp) if live else {}
@@ -177,7 +180,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def report(results: dict[str, list[Kill]]) -> str:
-    lines = [f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+    lines = [f"{NODES} nodes, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
              f"{'path':10} {'kills':>5} {'p50 s':>7} {'p99 s':>7} {'max s':>7}"]
     for name, kills in results.items():
         values = [k.recovery for k in kills]
@@ -205,5 +208,5 @@ def test_bench_lost_node_in_place_and_restart(
     results: dict[str, list[Kill]] = {}
     for name in paths:
         results[name] = run_path(tmp_path / name, procs, etcd_server, etcd_root, etcd_client,
-                                 live=name == "in-place", kills=kills)
+                                 live=name == "in-place", kills=kills, nodes=NODES)
     print("\n" + report(results), flush=True)
