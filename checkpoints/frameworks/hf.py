@@ -20,12 +20,22 @@ What the callback gives a ``Trainer`` (docs/frameworks.md):
   (``exit_on_stop=False``: ``train()`` returns instead, and
   :attr:`stop_requested` says why).
 
-What it does not do (yet): the just-in-time save when a peer dies (a failure
-costs the steps since the Trainer's last save), and the live path for planned
-changes: the Trainer wraps the model in DDP itself (through accelerate) and
-offers no hook to re-form the process group and rebuild the wrapper inside
-``train()``, so a join, a PATCH or a drain takes the restart path, cleanly: the
-agreed stop loses no completed step.
+* **The just-in-time save when a peer dies** (:mod:`checkpoints.frameworks.hf_jit`):
+  when ``train()`` ends in a failed collective, each survivor writes the last
+  completed step as ``checkpoint-<step>`` in ``args.output_dir``, in the
+  Trainer's own layout, with no collective (several survivors may write at
+  once; a complete checkpoint is never overwritten), so
+  ``trainer.train(resume_from_checkpoint=True)`` loses at most the step in
+  flight. Only for replicated state (DDP, one device): under FSDP or DeepSpeed
+  it logs why and does nothing. ``jit_save=False`` or ``TIDAL_JIT_SAVE=0``
+  turns it off.
+
+What it does not do (yet): the live path for planned changes and for failures:
+the Trainer wraps the model in DDP itself (through accelerate) and offers no
+hook to re-form the process group and rebuild the wrapper inside ``train()``,
+so a join, a PATCH or a drain takes the restart path, cleanly (the agreed stop
+loses no completed step), and a peer's death restarts the survivors (after
+their just-in-time save).
 
 ``transformers`` is imported when :class:`TidalCallback` is first used, never
 by importing :mod:`checkpoints`.
@@ -34,10 +44,14 @@ by importing :mod:`checkpoints`.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpoints.frameworks.boundary import StepBoundary
-from checkpoints.progress import ProgressReporter
+from checkpoints.frameworks.hf_jit import HFJustInTimeSave, sharded_reason
+from checkpoints.jit import JIT_ENV
+from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter
 from checkpoints.signals import EXIT_PREEMPTED
 
 __all__ = ["TESTED_WITH", "TidalCallback"]
@@ -61,6 +75,10 @@ class _Hooks:
         exit_on_stop: after that checkpoint, exit with ``EXIT_PREEMPTED``
             (False: stop training and let ``train()`` return).
         sigterm_grace_seconds: after SIGTERM, exit at once if still running this long.
+        jit_save: when training ends in a failed collective (a peer died), write
+            the last completed step as a Trainer checkpoint
+            (:mod:`checkpoints.frameworks.hf_jit`). ``TIDAL_JIT_SAVE=0`` in the
+            environment turns it off too.
     """
 
     def __init__(
@@ -70,12 +88,16 @@ class _Hooks:
         handle_sigterm: bool = True,
         exit_on_stop: bool = True,
         sigterm_grace_seconds: float = 60.0,
+        jit_save: bool = True,
     ) -> None:
         self.boundary = StepBoundary(
             progress=progress, handle_sigterm=handle_sigterm,
             sigterm_grace_seconds=sigterm_grace_seconds,
         )
         self._exit_on_stop = exit_on_stop
+        self._jit_wanted = jit_save
+        #: The just-in-time save of this run (None: off, sharded, or not training).
+        self.jit: HFJustInTimeSave | None = None
 
     @property
     def stop_requested(self) -> bool:
@@ -96,6 +118,45 @@ class _Hooks:
             kwargs.get("model"), total_steps=int(state.max_steps or 0) or None,
             samples_per_step=per_step,
         )
+        self._arm_jit(args, state, kwargs)
+
+    def _arm_jit(self, args: Any, state: Any, kwargs: dict[str, Any]) -> None:
+        if self.jit is not None:
+            self.jit.disarm()
+            self.jit = None
+        if not self._jit_wanted or os.environ.get(JIT_ENV) == "0":
+            return
+        sharded = sharded_reason(args)
+        if sharded is not None:
+            log.warning("no just-in-time save for this Trainer: %s (a failure costs the steps "
+                        "since its last checkpoint)", sharded)
+            return
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if model is None or optimizer is None:
+            log.warning("no just-in-time save: the Trainer gave the callback no model or optimizer")
+            return
+        progress_dir = os.environ.get(PROGRESS_DIR_ENV)
+        self.jit = HFJustInTimeSave(
+            args=args, state=state, model=model, optimizer=optimizer,
+            lr_scheduler=kwargs.get("lr_scheduler"),
+            processing_class=kwargs.get("processing_class"),
+            rank=self.boundary.rank, local_rank=int(getattr(args, "local_process_index", 0) or 0),
+            progress_dir=Path(progress_dir) if progress_dir else None,
+        )
+        self.jit.arm()
+
+    def save_after_failure(self, exc: BaseException) -> Path | None:
+        """For a script that catches ``train()``'s exception: the just-in-time save, if it applies.
+
+        Returns:
+            The checkpoint's directory, or None (not a failed collective, off,
+            or nothing safe to save).
+        """
+        return self.jit.save_if_collective_failure(exc) if self.jit is not None else None
+
+    def _disarm_jit(self) -> None:
+        if self.jit is not None:
+            self.jit.disarm()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
                **kwargs: Any) -> None:
@@ -105,6 +166,8 @@ class _Hooks:
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Report the step; when every rank agrees to stop, ask the Trainer to save and stop."""
+        if self.jit is not None:
+            self.jit.boundary(int(state.global_step))  # before any collective of ours can fail
         if self.boundary.step_end(int(state.global_step)):
             control.should_save = True
             control.should_training_stop = True
@@ -118,11 +181,13 @@ class _Hooks:
         self.boundary.finish_stop()
         log.warning("checkpoint-%d written on every rank after SIGTERM", step)
         if self._exit_on_stop:
+            self._disarm_jit()
             self.boundary.end()
             raise SystemExit(EXIT_PREEMPTED)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Stop handling SIGTERM; write a last report (collective: drains the flags)."""
+        self._disarm_jit()
         self.boundary.end()
 
 

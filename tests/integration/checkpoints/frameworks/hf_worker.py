@@ -3,10 +3,13 @@
 A GPT-2 built from a config (1 layer, 32 wide, a vocabulary of 64; no dropout),
 a synthetic dataset fixed by a seed, ``Trainer`` on CPU (gloo when there are
 ranks). ``--sigterm-at STEP --sigterm-rank R`` makes rank R send itself SIGTERM
-after that step (a deterministic fault). The run resumes from the output
+after that step (a deterministic fault); ``--kill-at STEP --kill-rank R`` makes
+rank R SIGKILL itself as step STEP + 1 begins (a peer that dies mid-step: the
+others fail in that step's gradient all-reduce). The run resumes from the output
 directory's last Trainer checkpoint when there is one, as a user's script
 would. Rank 0 writes the final parameters to ``--result``; every rank writes
-``stopped-rank-<RANK>.json`` with the step the callback stopped at.
+``stopped-rank-<RANK>.json`` with the step the callback stopped at and
+``started-rank-<RANK>.json`` with the step training started from.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=100)
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--sigterm-rank", type=int, default=0)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--result", default="")
     args = parser.parse_args()
 
@@ -58,6 +63,16 @@ def main() -> None:
             if state.global_step == args.sigterm_at and rank == args.sigterm_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    class KillAt(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            Path(args.out, f"started-rank-{rank}.json").write_text(
+                json.dumps({"step": state.global_step}), encoding="utf-8")
+
+        def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == args.kill_at and rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+
     torch.manual_seed(0)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -66,10 +81,11 @@ def main() -> None:
         output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
         save_steps=args.save_steps, logging_steps=1, use_cpu=True, report_to=[], seed=0,
         dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-2,
+        ddp_timeout=60,  # gloo's default is 30 minutes: a rank left waiting fails in a minute
     )
     tidal = TidalCallback()
     trainer = Trainer(model=model, args=training, train_dataset=dataset(),
-                      callbacks=[SigtermAt(), tidal])
+                      callbacks=[SigtermAt(), KillAt(), tidal])
     last = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
     print(f"rank {rank} resuming from {last}", flush=True)
     try:

@@ -1,0 +1,238 @@
+"""checkpoints.frameworks.hf_jit's pure parts: which step a failure saves, and the commit of a
+Trainer checkpoint by several survivors at once (no transformers needed), plus the saver on a
+real Trainer in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoints.frameworks.hf_jit import (
+    Outcome,
+    choose_step,
+    commit_checkpoint,
+    is_complete,
+    newest_complete_step,
+    sharded_reason,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_choose_step_takes_the_last_completed_step() -> None:
+    assert choose_step(7, dirty=False, global_step=7) == (7, "")
+
+
+def test_choose_step_refuses_before_the_first_step() -> None:
+    step, why = choose_step(None, dirty=True, global_step=0)
+    assert step is None and "no step completed" in why
+
+
+def test_choose_step_refuses_once_an_optimizer_step_began() -> None:
+    step, why = choose_step(7, dirty=True, global_step=7)
+    assert step is None and "optimizer step had begun" in why
+
+
+def test_choose_step_refuses_when_the_trainer_moved_past_the_recorded_step() -> None:
+    step, why = choose_step(7, dirty=False, global_step=8)
+    assert step is None and "step 8" in why
+
+
+def test_sharded_state_is_named() -> None:
+    class Args:
+        fsdp = "full_shard"
+        deepspeed = None
+
+    class Plain:
+        fsdp: Any = []
+        deepspeed = None
+
+    assert "FSDP" in (sharded_reason(Args()) or "")
+    assert sharded_reason(Plain()) is None
+
+
+def writers(tag: str) -> tuple[Any, Any]:
+    def write_rng(path: Path) -> None:
+        path.write_text(f"rng {tag}")
+
+    def write_shared(directory: Path) -> None:
+        (directory / "model.safetensors").write_text(f"model {tag}")
+        (directory / "optimizer.pt").write_text(f"optimizer {tag}")
+        (directory / "trainer_state.json").write_text(json.dumps({"by": tag}))
+
+    return write_rng, write_shared
+
+
+def commit(out: Path, step: int, tag: str, *, shared: bool = True) -> Outcome:
+    write_rng, write_shared = writers(tag)
+    return commit_checkpoint(out, step, rng_name=f"rng_state_{tag}.pth", write_rng=write_rng,
+                             write_shared=write_shared if shared else None)
+
+
+def test_the_first_survivor_writes_the_checkpoint_and_a_later_one_adds_its_rng_file(
+    tmp_path: Path,
+) -> None:
+    assert commit(tmp_path, 5, "0") is Outcome.WRITTEN
+    assert commit(tmp_path, 5, "1") is Outcome.JOINED
+    final = tmp_path / "checkpoint-5"
+    assert is_complete(final)
+    assert json.loads((final / "trainer_state.json").read_text()) == {"by": "0"}  # not replaced
+    assert sorted(p.name for p in final.iterdir() if p.name.startswith("rng")) == [
+        "rng_state_0.pth", "rng_state_1.pth"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")] == []
+
+
+def test_survivors_committing_at_once_leave_one_complete_checkpoint_with_every_rng_file(
+    tmp_path: Path,
+) -> None:
+    outcomes: list[Outcome] = []
+    threads = [threading.Thread(target=lambda t=str(r): outcomes.append(commit(tmp_path, 3, t)))
+               for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(outcomes) == sorted([Outcome.WRITTEN] + [Outcome.JOINED] * 3)
+    final = tmp_path / "checkpoint-3"
+    assert is_complete(final)
+    assert {f"rng_state_{r}.pth" for r in range(4)} <= {p.name for p in final.iterdir()}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")] == []
+
+
+def test_a_complete_newer_checkpoint_is_never_overwritten_nor_shadowed(tmp_path: Path) -> None:
+    assert commit(tmp_path, 9, "0") is Outcome.WRITTEN
+    assert commit(tmp_path, 4, "1") is Outcome.NEWER
+    assert not (tmp_path / "checkpoint-4").exists()
+    assert newest_complete_step(tmp_path) == 9
+
+
+def test_an_incomplete_checkpoint_of_the_step_is_completed_keeping_its_rng_files(
+    tmp_path: Path,
+) -> None:
+    cut_short = tmp_path / "checkpoint-6"  # a Trainer save cut short: no trainer state
+    cut_short.mkdir()
+    (cut_short / "model.safetensors").write_text("half")
+    (cut_short / "rng_state_2.pth").write_text("rng 2")
+    assert not is_complete(cut_short)
+    assert commit(tmp_path, 6, "0") is Outcome.WRITTEN
+    assert is_complete(cut_short)
+    assert (cut_short / "model.safetensors").read_text() == "model 0"
+    assert (cut_short / "rng_state_2.pth").read_text() == "rng 2"
+    assert (cut_short / "rng_state_0.pth").read_text() == "rng 0"
+
+
+def test_a_rank_without_the_shared_files_parks_its_rng_file_until_they_come(
+    tmp_path: Path,
+) -> None:
+    assert commit(tmp_path, 2, "1", shared=False) is Outcome.PARKED
+    assert not (tmp_path / "checkpoint-2").exists()  # nothing under the final name yet
+    assert commit(tmp_path, 2, "0") is Outcome.WRITTEN
+    final = tmp_path / "checkpoint-2"
+    assert (final / "rng_state_1.pth").read_text() == "rng 1"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")] == []
+
+
+def test_a_failed_write_leaves_no_checkpoint_and_no_temporary_directory(tmp_path: Path) -> None:
+    def broken(directory: Path) -> None:
+        (directory / "model.safetensors").write_text("partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        commit_checkpoint(tmp_path, 1, rng_name="rng_state_0.pth",
+                          write_rng=lambda p: p.write_text("rng"), write_shared=broken)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".tidal")] == []
+
+
+# ----------------------------------------------------- the saver on a real Trainer
+
+
+def test_the_saver_writes_the_last_completed_step_in_the_trainers_own_layout(
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from checkpoints.frameworks.hf import TidalCallback
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                     n_positions=16)
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    out = tmp_path / "out"
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=6, per_device_train_batch_size=4, save_steps=1000,
+        use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=1,
+    )
+
+    class FailAtStep3(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 3:
+                raise RuntimeError("Connection closed by peer (a gloo collective failed)")
+
+    callback = TidalCallback(handle_sigterm=False)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                   train_dataset=data, callbacks=[FailAtStep3(), callback])
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            trainer.train()
+        expected = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        assert callback.save_after_failure(ValueError("not a collective")) is None
+        assert callback.save_after_failure(failed.value) == out / "checkpoint-3"
+        assert callback.save_after_failure(failed.value) == out / "checkpoint-3"  # once
+    finally:
+        callback.jit.disarm()
+    names = {p.name for p in (out / "checkpoint-3").iterdir()}
+    assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "trainer_state.json", "training_args.bin"} <= names
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())[
+        "global_step"] == 3
+
+    resumed = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                   train_dataset=data)
+    resumed._load_from_checkpoint(str(out / "checkpoint-3"))
+    torch.testing.assert_close(
+        {k: v for k, v in resumed.model.state_dict().items()}, expected)
+
+
+def test_the_callback_arms_no_saver_when_switched_off_or_sharded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("transformers")
+    from checkpoints.frameworks.hf import TidalCallback
+
+    class Args:
+        output_dir = str(tmp_path)
+        fsdp: Any = []
+        deepspeed = None
+
+    model = torch.nn.Linear(2, 2)
+    kwargs = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    on = TidalCallback(handle_sigterm=False)
+    on._arm_jit(Args(), None, kwargs)
+    try:
+        assert on.jit is not None
+    finally:
+        on._disarm_jit()
+
+    off = TidalCallback(handle_sigterm=False, jit_save=False)
+    off._arm_jit(Args(), None, kwargs)
+    assert off.jit is None
+    monkeypatch.setenv("TIDAL_JIT_SAVE", "0")
+    by_env = TidalCallback(handle_sigterm=False)
+    by_env._arm_jit(Args(), None, kwargs)
+    assert by_env.jit is None
+    monkeypatch.delenv("TIDAL_JIT_SAVE")
+
+    sharded = Args()
+    sharded.fsdp = "full_shard"
+    callback = TidalCallback(handle_sigterm=False)
+    with caplog.at_level("WARNING"):
+        callback._arm_jit(sharded, None, kwargs)
+    assert callback.jit is None
+    assert "no just-in-time save" in caplog.text and "FSDP" in caplog.text
