@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from checkpoints.frameworks.hf_jit import (
+    HFJustInTimeSave,
     Outcome,
     choose_step,
     commit_checkpoint,
@@ -21,6 +22,7 @@ from checkpoints.frameworks.hf_jit import (
     newest_complete_step,
     sharded_reason,
 )
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,3 +238,71 @@ def test_the_callback_arms_no_saver_when_switched_off_or_sharded(
         callback._arm_jit(sharded, None, kwargs)
     assert callback.jit is None
     assert "no just-in-time save" in caplog.text and "FSDP" in caplog.text
+
+
+class FakeState:
+    """The part of transformers' TrainerState the saver uses."""
+
+    def __init__(self) -> None:
+        self.global_step = 0
+
+    def save_to_json(self, path: str) -> None:
+        Path(path).write_text(json.dumps({"global_step": self.global_step}))
+
+
+class FakeArgs:
+    """The part of TrainingArguments the saver uses (module level: training_args.bin pickles it)."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.world_size = 1
+
+
+def make_saver(tmp_path: Path, *, progress_dir: Path | None = None) -> tuple[Any, ...]:
+    pytest.importorskip("safetensors")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = FakeState()
+    saver = HFJustInTimeSave(args=FakeArgs(str(tmp_path / "out")), state=state, model=model,
+                             optimizer=optimizer, progress_dir=progress_dir, exit_at_once=False)
+    return saver, model, optimizer, state
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_saver_refuses_state_an_optimizer_step_has_begun_to_change(tmp_path: Path) -> None:
+    saver, model, optimizer, state = make_saver(tmp_path)
+    try:
+        step(model, optimizer)
+        state.global_step = 1
+        saver.boundary(1)
+        step(model, optimizer)  # the next step began (and here ended) before the failure
+        assert saver.save("a collective failed") is None
+        assert not (tmp_path / "out" / "checkpoint-1").exists()
+    finally:
+        saver.disarm()
+
+
+def test_the_runners_notice_saves_the_last_completed_step_from_a_thread(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    saver, model, optimizer, state = make_saver(tmp_path, progress_dir=progress)
+    try:
+        step(model, optimizer)
+        state.global_step = 1
+        saver.boundary(1)
+        saver.arm()
+        assert json.loads((progress / "saving-rank-0.json").read_text())["state"] == "armed"
+        (progress / "peer-lost").write_text("{}")
+        wait_for(lambda: json.loads((progress / "saving-rank-0.json").read_text())["state"]
+                 == "done", timeout=20, what="the saver to report its save done")
+        final = tmp_path / "out" / "checkpoint-1"
+        assert saver.path == final and saver.outcome is Outcome.WRITTEN
+        assert {"model.safetensors", "optimizer.pt", "rng_state.pth", "trainer_state.json",
+                "training_args.bin"} <= {p.name for p in final.iterdir()}
+    finally:
+        saver.disarm()
