@@ -77,6 +77,7 @@ from rendezvous.elastic.assigned_state import (
     Peer,
     RankRecord,
     StateRecord,
+    holds_lost,
     member_change,
     next_roster,
 )
@@ -95,6 +96,8 @@ __all__ = ["BACKEND_NAME", "RING_K", "AssignedRendezvousHandler", "AssignmentWit
 BACKEND_NAME = "tidal-assigned"
 # While waiting, the state is looked at on every watch event and at least this often.
 REEVALUATE_S = 0.25
+# How long a member waits for a round without the peers it saw die (holds_lost).
+LOST_ROUND_WAIT_S = 5.0
 
 
 class AssignedRendezvousHandler(RendezvousHandler):
@@ -232,6 +235,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         with self._cond:
             mine = self._mine
         deadline = time.monotonic() + self._join_timeout_s
+        lost_deadline = time.monotonic() + LOST_ROUND_WAIT_S
         while True:
             with self._cond:
                 if self._closed:
@@ -244,7 +248,13 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 self._check_latest(state)  # type: ignore[arg-type]
                 continue
             if newer and latest is not None and latest.round == state.round:  # type: ignore[union-attr]
-                break
+                with self._cond:
+                    stale = holds_lost(latest, self._lost)
+                if not stale or time.monotonic() > lost_deadline:
+                    break  # (after LOST_ROUND_WAIT_S, the group's own failure tells)
+                with self._cond:
+                    self._cond.wait(REEVALUATE_S)  # the leader drops them in the next
+                continue
             want = (state.round if state is not None else 0) + 1
             if self._join.wanted < want:
                 self._join.put(want)  # a newcomer, a member not in the latest, or a restart

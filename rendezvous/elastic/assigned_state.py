@@ -194,13 +194,18 @@ def member_change(node: str, mine: int, state: StateRecord | None, in_latest: bo
         mine: the number of this node's round (0: none yet).
         state: the last state record seen.
         in_latest: whether this node is in the state's round (its rank record says so).
-        lost: ring peers this node saw die since its round formed.
+        lost: ring peers this node saw die since its round formed. A loss comes first
+            even when a newer round was formed for another change (a leave or a join
+            at the same moment, before the leader knew of the death): this node's group
+            is broken and must be recovered as from a loss, not resized as planned.
     """
     if mine == 0:
         return None
     if state is not None and state.round > mine:
         if not in_latest:
             return Change(SUPERSEDED, frozenset())
+        if lost:  # our group is broken, whatever the leader formed the next round for
+            return Change(LOST, frozenset(lost))
         why = state.why or Change(WAITING, frozenset())
         return Change(why.kind, why.nodes - {node})
     if lost:
@@ -210,6 +215,13 @@ def member_change(node: str, mine: int, state: StateRecord | None, in_latest: bo
         if nodes or state.pending.kind != LEAVING:
             return Change(state.pending.kind, nodes)
     return None
+
+
+def holds_lost(rank: RankRecord, lost: frozenset[str] | set[str]) -> frozenset[str]:
+    """The peers this node saw die that are still in the ring of its ``rank`` record: a
+    round the leader formed before it learnt of their death (a planned change at the same
+    moment). Joining it would mean a group with a dead member; the next round drops them."""
+    return frozenset(lost) & {p.member.node for p in rank.ring}
 
 
 def next_roster(roster: frozenset[str], number: int, state: StateRecord | None) -> (

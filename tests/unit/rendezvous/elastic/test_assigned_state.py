@@ -23,6 +23,7 @@ from rendezvous.elastic.assigned_state import (
     chunks,
     decide,
     deputy_of,
+    holds_lost,
     member_change,
     next_roster,
     ring_of,
@@ -114,6 +115,24 @@ def test_what_a_member_reads_from_the_state() -> None:
     pending = StateRecord(5, 2, pending=Change(LEAVING, frozenset({"a"})))
     assert member_change("a", 5, pending, True, set()) is None  # its own leave
     assert member_change("b", 5, pending, True, set()) == Change(LEAVING, frozenset({"a"}))
+
+
+def test_a_loss_this_member_saw_comes_before_a_newer_round_formed_for_a_leave() -> None:
+    """c died and b was drained at the same moment; the leader formed round 5 for b's
+    leave before it knew of c. a saw c die: its group is broken, a loss, not a leave."""
+    leave = StateRecord(5, 2, why=Change(LEAVING, frozenset({"b"})))
+    assert member_change("a", 4, leave, True, {"c"}) == Change(LOST, frozenset({"c"}))
+    assert member_change("a", 4, leave, True, set()) == Change(LEAVING, frozenset({"b"}))
+    # Left out of the newer round: the others went on without it, whatever it saw.
+    assert member_change("a", 4, leave, False, {"c"}) == Change(SUPERSEDED, frozenset())
+
+
+def test_a_round_that_still_holds_a_peer_seen_dead_is_not_joined() -> None:
+    formed_before_the_loss = RankRecord(5, 0, member("a"), (Peer(member("c"), 7),))
+    formed_after = RankRecord(6, 0, member("a"), ())
+    assert holds_lost(formed_before_the_loss, {"c"}) == {"c"}
+    assert holds_lost(formed_before_the_loss, {"b"}) == frozenset()
+    assert holds_lost(formed_after, {"c"}) == frozenset()
 
 
 @given(st.integers(min_value=1, max_value=40), st.integers(min_value=1, max_value=5))
