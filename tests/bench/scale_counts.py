@@ -7,7 +7,8 @@ process, on a real etcd (its own, on a free loopback port) with real sockets: ea
 member has the handler's own watches, leases and liveness sockets; the members share
 a few etcd clients (gRPC channels) so that 1,024 of them fit one process. Each member
 does what a runner does with its handler (tests/support/rdzv_swarm.py): ask
-``pending_change`` every 0.1 s, join the next round when there is one.
+``pending_change`` every 0.1 s (one ticker thread asks for every member and wakes the
+member's thread when there is a change), join the next round when there is one.
 
 For each change (``kill``: a member's sockets close and its keep-alives stop, as
 when its process dies; ``kill-leader``: the same for the member that writes rounds,
@@ -61,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpc import _common as grpc_common
+
 from rendezvous.elastic.assigned import AssignedRendezvousHandler
 from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
 from rendezvous.etcd.server import EtcdServer
@@ -68,6 +71,7 @@ from rendezvous.keys import Keys
 from rendezvous.lease import LeaseKeeper
 
 POLL_S = 0.1  # agent/runner/elastic.py's monitor_interval
+IDLE_WAKE_S = 5.0  # how often a thread blocked on gRPC wakes with nothing to do (below)
 LEASE_TTL_S = 10
 CLIENTS = 16  # gRPC channels the members share
 CHANGE_DEADLINE_S = 300.0
@@ -87,6 +91,15 @@ def _counting_connect(*args: Any, **kwargs: Any) -> socket.socket:
 
 
 socket.create_connection = _counting_connect  # type: ignore[assignment]
+
+# gRPC Python's blocking calls and stream iterators wait on a condition that each
+# answer notifies, but wake every 0.1 s anyway (grpc._common.MAXIMUM_WAIT_TIMEOUT, so
+# that Ctrl-C is seen). A runner has two or three such threads: 30 wake-ups a second.
+# A thousand members in this one process have two thousand: 20,000 wake-ups a second,
+# each taking the interpreter lock, which on 2 cores starves every other thread (the
+# keep-alives' included) and makes the one-process benchmark measure itself. The answers
+# are delivered as before; only the idle wake-ups go.
+grpc_common.MAXIMUM_WAIT_TIMEOUT = IDLE_WAKE_S
 
 _leases_lost = [0]
 _real_declare_lost = LeaseKeeper._declare_lost
@@ -143,6 +156,49 @@ def member_cpu(cpu: dict[str, float], node: str) -> float:
     return sum(v for name, v in cpu.items() if pattern.search(name))
 
 
+# where the threads are ------------------------------------------------------------------------
+
+
+class FrameSampler:
+    """Every ``period_s``, the innermost Python frame of every thread, tallied by place.
+
+    A thread blocked in a wait shows its caller's wait; one that wants the CPU shows
+    the line it runs. Enough to say where a collapsing run's threads spend their time.
+    """
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.places: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="frame sampler", daemon=True)
+
+    def __enter__(self) -> FrameSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        printed = time.monotonic()
+        while not self._stop.wait(self.period_s):
+            self.samples += 1
+            for frame in sys._current_frames().values():
+                code = frame.f_code
+                place = f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}"
+                self.places[place] = self.places.get(place, 0) + 1
+            if time.monotonic() - printed > 30:  # a run killed before the end still says
+                printed = time.monotonic()
+                print(json.dumps({"samples": self.samples, "top": self.top(12)}), flush=True)
+
+    def top(self, count: int = 20) -> list[tuple[str, float]]:
+        """The ``count`` busiest places, with the mean number of threads there."""
+        ranked = sorted(self.places.items(), key=lambda kv: -kv[1])[:count]
+        return [(place, round(n / max(1, self.samples), 1)) for place, n in ranked]
+
+
 # members -------------------------------------------------------------------------------------
 
 
@@ -154,6 +210,7 @@ class Member:
     error: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     leaving: threading.Event = field(default_factory=threading.Event)
+    tick: threading.Event = field(default_factory=threading.Event)
     left: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
@@ -174,7 +231,10 @@ class Member:
                 info = handler.next_rendezvous()
                 self.rounds.append((time.time(), handler.current_round(), info.world_size))
                 continue
-            self.leaving.wait(POLL_S)
+            # The swarm's one ticker asks pending_change for every member each POLL_S
+            # and wakes this thread when there is one (or a leave or stop).
+            self.tick.wait()
+            self.tick.clear()
         if self.stop.is_set():
             return
         handler.announce_leaving()
@@ -191,6 +251,7 @@ class Member:
         """What a SIGKILL does to the member: its sockets close, its keep-alives stop.
         Nothing is revoked or deleted: etcd and the peers find out by themselves."""
         self.stop.set()
+        self.tick.set()
         h: Any = self.handler
         h._stopped.set()
         leading = getattr(h, "_leading", None)
@@ -221,6 +282,19 @@ class Swarm:
         self.members: dict[str, Member] = {}
         self.crashed: set[str] = set()
         self.count = 0
+        self._closed = threading.Event()
+        threading.Thread(target=self._tick, name="ticker", daemon=True).start()
+
+    def _tick(self) -> None:
+        """What each runner's monitor loop does every POLL_S (ask ``pending_change``),
+        for every member from one thread: a thousand threads waking ten times a second
+        each would measure this process's scheduler, not the rendezvous."""
+        while not self._closed.wait(POLL_S):
+            for m in list(self.members.values()):
+                # (a crash, a leave and close set the tick themselves)
+                if not (m.tick.is_set() or m.stop.is_set() or m.left.is_set()) \
+                        and m.handler.pending_change() is not None:
+                    m.tick.set()
 
     def falsely_lost(self) -> set[str]:
         """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed."""
@@ -229,7 +303,22 @@ class Swarm:
         marks, _ = client.get_prefix(prefix)
         return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - self.crashed
 
-    def spawn(self, n: int, first_min: int) -> list[Member]:
+    def spawn(self, n: int, first_min: int, batch: int = 64) -> list[Member]:
+        """Start ``n`` members, ``batch`` at a time: each batch has put its join records
+        before the next starts (as nodes that boot over a few seconds do). A thousand
+        threads asking etcd at once would queue on this one process's interpreter lock
+        (every waiter wakes each 5 ms to ask for it), which no real job of separate
+        processes does."""
+        made: list[Member] = []
+        for first in range(0, n, batch):
+            part = self._spawn(min(batch, n - first), first_min)
+            made += part
+            if n > batch:
+                wait(lambda: all(m.handler._join.wanted or m.error for m in part),  # noqa: B023
+                     CHANGE_DEADLINE_S, f"members {part[0].node}.. to put their join records")
+        return made
+
+    def _spawn(self, n: int, first_min: int) -> list[Member]:
         made = []
         for _ in range(n):
             node = f"m{self.count}"
@@ -261,8 +350,10 @@ class Swarm:
         return alive[0]  # between leaders (one died, its successor not yet in): any member
 
     def close(self) -> None:
+        self._closed.set()
         for m in self.members.values():
             m.stop.set()
+            m.tick.set()
         for m in self.members.values():
             with contextlib.suppress(Exception):
                 m.handler.close()
@@ -321,6 +412,7 @@ def one_change(swarm: Swarm, endpoint: str, kind: str, n: int) -> dict[str, Any]
     elif kind == "leave":
         assert gone is not None
         gone.leaving.set()
+        gone.tick.set()
         stay = [m for m in alive if m is not gone]
     else:
         stay = [*alive, *swarm.spawn(1, 1)]
@@ -464,6 +556,7 @@ def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str
 
 
 def main(argv: list[str]) -> None:
+    global CHANGE_DEADLINE_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--nodes", default="8,64,256,1024")
     parser.add_argument("--protocol", default="leader",
@@ -472,7 +565,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--soak", type=int, default=0, metavar="N",
                         help="instead: ten consecutive changes at N members beside busy loops")
     parser.add_argument("--busy", type=int, default=2, help="busy loops beside --soak")
+    parser.add_argument("--deadline", type=float, default=CHANGE_DEADLINE_S,
+                        help="seconds a change may take (the first round: twice that)")
+    parser.add_argument("--sample", action="store_true",
+                        help="tally where the threads are (twice a second) and print it")
     args = parser.parse_args(argv)
+    CHANGE_DEADLINE_S = args.deadline
+    if args.sample:
+        with FrameSampler() as sampler:
+            try:
+                main([a for a in argv if a != "--sample"])
+            finally:
+                print(json.dumps({"samples": sampler.samples, "top": sampler.top()}, indent=1),
+                      flush=True)
+        return
     if args.soak:
         with EtcdServer() as etcd:
             soak_rows, summary = run_soak(etcd.endpoint, args.soak, args.busy)
