@@ -33,6 +33,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,39 @@ def _steps(root: Path, node: str) -> list[tuple[int, int, int, int]]:
             for line in _worker_lines(root, node) if (m := _STEP.search(line))]
 
 
+def _mlp_job(tmp_path: Path, args: list[str], *extra: str) -> tuple[Assignment, Path]:
+    """The job every test here runs on a, b and c (in place, a step every 0.1 s), and the
+    file its parameters are recorded in at the end."""
+    record = tmp_path / "elastic.json"
+    job = Assignment(
+        job_id="mlp",
+        command=[sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *args,
+                 "--step-seconds", "0.1", "--record", str(record), "--live-resize", *extra],
+        env={"OMP_NUM_THREADS": "1"},
+        min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10,
+    )
+    return job, record
+
+
+def _start(tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
+           procs: ProcessGroupRegistry, job: Assignment) -> AgentCluster:
+    """Agents a, b and c, each assigned ``job``."""
+    cluster = AgentCluster(
+        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
+    )
+    for node in ("a", "b", "c"):
+        cluster.start_agent(node)
+        assign(etcd_client, node, job)
+    return cluster
+
+
+def _succeeded(etcd_client: EtcdClient, nodes: set[str], ref: Any, tmp_path: Path) -> None:
+    """Wait for the job to succeed on ``nodes`` and the reference run to end."""
+    wait_for(lambda: nodes_in_state(etcd_client, "mlp", nodes, state=JobNodeState.SUCCEEDED),
+             timeout=180, what=f"the job succeeded on {sorted(nodes)}")
+    wait_reference(ref, tmp_path, timeout=120)
+
+
 def _paths(client: EtcdClient, node: str) -> dict[str, int]:
     st = statuses(client, "mlp").get(node)
     return dict(st.resize_paths) if st is not None else {}
@@ -96,23 +130,11 @@ def test_survivors_of_two_killed_nodes_keep_their_processes_and_end_with_the_ref
     procs: ProcessGroupRegistry,
 ) -> None:
     ref, reference_record = start_reference(procs, tmp_path, ARGS)
-    cluster = AgentCluster(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    )
-    record, hang_file = tmp_path / "elastic.json", tmp_path / "c-hangs"
-    job = Assignment(
-        job_id="mlp",
-        command=[sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *ARGS,
-                 "--step-seconds", "0.1", "--record", str(record), "--live-resize",
-                 "--hang-before-step", str(HANG_AT), "--hang-node", "c",
-                 "--hang-file", str(hang_file)],
-        env={"OMP_NUM_THREADS": "1"},
-        min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10,
-    )
+    hang_file = tmp_path / "c-hangs"
+    job, record = _mlp_job(tmp_path, ARGS, "--hang-before-step", str(HANG_AT),
+                           "--hang-node", "c", "--hang-file", str(hang_file))
+    cluster = _start(tmp_path, etcd_server, etcd_root, etcd_client, procs, job)
     try:
-        for node in ("a", "b", "c"):
-            cluster.start_agent(node)
-            assign(etcd_client, node, job)
         wait_for(hang_file.exists, timeout=240, what=f"node c hanging before step {HANG_AT}")
         wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b", "c"}, size=3),
                  timeout=30, what="world size 3")
@@ -128,9 +150,7 @@ def test_survivors_of_two_killed_nodes_keep_their_processes_and_end_with_the_ref
         unassign(etcd_client, "a", "mlp")
         wait_for(lambda: not processes_of_node("a", warm=True), timeout=10,
                  what="node a's processes gone")
-        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"b"}, state=JobNodeState.SUCCEEDED),
-                 timeout=120, what="the job succeeded on b")
-        wait_reference(ref, tmp_path, timeout=120)
+        _succeeded(etcd_client, {"b"}, ref, tmp_path)
     except Exception:
         log.error("%s", cluster.log_tails())
         raise
@@ -169,34 +189,19 @@ def test_survivors_of_a_hung_node_keep_their_processes_and_end_with_the_referenc
     total = 40
     args = [*ARGS[:1], str(total), *ARGS[2:]]
     ref, reference_record = start_reference(procs, tmp_path, args)
-    cluster = AgentCluster(
-        etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root, workdir=tmp_path, procs=procs
-    )
-    record, hang_file = tmp_path / "elastic.json", tmp_path / "c-hangs"
-    job = Assignment(
-        job_id="mlp",
-        command=[sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *args,
-                 "--step-seconds", "0.1", "--record", str(record), "--live-resize",
-                 "--hang-before-step", str(HANG_AT), "--hang-node", "c",
-                 "--hang-file", str(hang_file)],
-        env={"OMP_NUM_THREADS": "1"},
-        min_nodes=1, max_nodes=3, max_restarts=0, grace_period_s=10,
-    )
+    hang_file = tmp_path / "c-hangs"
+    job, record = _mlp_job(tmp_path, args, "--hang-before-step", str(HANG_AT),
+                           "--hang-node", "c", "--hang-file", str(hang_file))
     stopped: list[int] = []
+    cluster = _start(tmp_path, etcd_server, etcd_root, etcd_client, procs, job)
     try:
-        for node in ("a", "b", "c"):
-            cluster.start_agent(node)
-            assign(etcd_client, node, job)
         wait_for(hang_file.exists, timeout=240, what=f"node c hanging before step {HANG_AT}")
         stopped = [*processes_of_node("c", warm=True), cluster.agents["c"].pid]
         for pid in stopped:  # the host hangs: nothing of it answers, no socket closes
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
         unassign(etcd_client, "c", "mlp")
-        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b"},
-                                        state=JobNodeState.SUCCEEDED),
-                 timeout=120, what="the job succeeded on a and b")
-        wait_reference(ref, tmp_path, timeout=120)
+        _succeeded(etcd_client, {"a", "b"}, ref, tmp_path)
     except Exception:
         log.error("%s", cluster.log_tails())
         raise
@@ -213,4 +218,54 @@ def test_survivors_of_a_hung_node_keep_their_processes_and_end_with_the_referenc
     assert not any("just-in-time save of step" in line for line in lines)
     assert {s[3] for s in a + b} == set(range(total))
     assert _paths(etcd_client, "a") == {"live": 1} == _paths(etcd_client, "b")
+    assert_same_params(record_params(record), record_params(reference_record))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_drain_during_an_in_place_recovery_and_the_dead_node_coming_back(
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    etcd_root: str,
+    etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    """c's node dies and, in the same moment, b is drained (its assignment taken away):
+    a recovers in place from the loss and b leaves, in whichever order their runners
+    see them; a goes on alone. Then c's agent comes back and c joins the job live.
+    a keeps its process throughout, every step is taken, and the job ends with the
+    parameters of an uninterrupted run."""
+    total = 300  # at 0.1 s a step: still training when c is back
+    args = [*ARGS[:1], str(total), *ARGS[2:]]
+    ref, reference_record = start_reference(procs, tmp_path, args)
+    job, record = _mlp_job(tmp_path, args)
+    cluster = _start(tmp_path, etcd_server, etcd_root, etcd_client, procs, job)
+    try:
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a", "b", "c"}, size=3,
+                                        min_step=HANG_AT),
+                 timeout=240, what="world size 3")
+        cluster.kill_agent("c")
+        unassign(etcd_client, "c", "mlp")
+        unassign(etcd_client, "b", "mlp")  # the drain, while a and b recover from c's loss
+        wait_for(lambda: not processes_of_node("c", warm=True), timeout=10,
+                 what="node c's processes gone")
+        wait_for(lambda: not processes_of_node("b"), timeout=60, what="b's workers gone")
+        wait_for(lambda: nodes_in_state(etcd_client, "mlp", {"a"}, size=1, min_step=HANG_AT + 5),
+                 timeout=60, what="a training alone")
+        cluster.start_agent("c")  # c's machine is back, under the same name
+        assign(etcd_client, "c", job.model_copy(update={"generation": 2}))
+        _succeeded(etcd_client, {"a", "c"}, ref, tmp_path)
+    except Exception:
+        log.error("%s", cluster.log_tails())
+        raise
+    a, c = _steps(tmp_path, "a"), _steps(tmp_path, "c")
+    log.info("a's steps at world sizes %s; a's resize paths %s",
+             sorted({s[2] for s in a}), _paths(etcd_client, "a"))
+    assert len({s[0] for s in a}) == 1, {s[0] for s in a}  # a kept its process throughout
+    assert {1, 2} <= {s[2] for s in a}, sorted({s[2] for s in a})  # alone, then with c
+    lines = _worker_lines(tmp_path, "a")
+    assert not any("restored step" in line for line in lines)
+    assert {s[3] for s in a} | {s[3] for s in c} | {s[3] for s in _steps(tmp_path, "b")} == (
+        set(range(total)))
+    assert _paths(etcd_client, "a").get("restart", 0) == 0, _paths(etcd_client, "a")
     assert_same_params(record_params(record), record_params(reference_record))
