@@ -156,49 +156,6 @@ def member_cpu(cpu: dict[str, float], node: str) -> float:
     return sum(v for name, v in cpu.items() if pattern.search(name))
 
 
-# where the threads are ------------------------------------------------------------------------
-
-
-class FrameSampler:
-    """Every ``period_s``, the innermost Python frame of every thread, tallied by place.
-
-    A thread blocked in a wait shows its caller's wait; one that wants the CPU shows
-    the line it runs. Enough to say where a collapsing run's threads spend their time.
-    """
-
-    def __init__(self, period_s: float = 0.5) -> None:
-        self.period_s = period_s
-        self.places: dict[str, int] = {}
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="frame sampler", daemon=True)
-
-    def __enter__(self) -> FrameSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        printed = time.monotonic()
-        while not self._stop.wait(self.period_s):
-            self.samples += 1
-            for frame in sys._current_frames().values():
-                code = frame.f_code
-                place = f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}"
-                self.places[place] = self.places.get(place, 0) + 1
-            if time.monotonic() - printed > 30:  # a run killed before the end still says
-                printed = time.monotonic()
-                print(json.dumps({"samples": self.samples, "top": self.top(12)}), flush=True)
-
-    def top(self, count: int = 20) -> list[tuple[str, float]]:
-        """The ``count`` busiest places, with the mean number of threads there."""
-        ranked = sorted(self.places.items(), key=lambda kv: -kv[1])[:count]
-        return [(place, round(n / max(1, self.samples), 1)) for place, n in ranked]
-
-
 # members -------------------------------------------------------------------------------------
 
 
@@ -567,18 +524,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--busy", type=int, default=2, help="busy loops beside --soak")
     parser.add_argument("--deadline", type=float, default=CHANGE_DEADLINE_S,
                         help="seconds a change may take (the first round: twice that)")
-    parser.add_argument("--sample", action="store_true",
-                        help="tally where the threads are (twice a second) and print it")
     args = parser.parse_args(argv)
     CHANGE_DEADLINE_S = args.deadline
-    if args.sample:
-        with FrameSampler() as sampler:
-            try:
-                main([a for a in argv if a != "--sample"])
-            finally:
-                print(json.dumps({"samples": sampler.samples, "top": sampler.top()}, indent=1),
-                      flush=True)
-        return
     if args.soak:
         with EtcdServer() as etcd:
             soak_rows, summary = run_soak(etcd.endpoint, args.soak, args.busy)
