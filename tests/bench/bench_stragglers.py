@@ -158,12 +158,14 @@ def _run_policy(mode: str, root: Path, etcd_server: EtcdServer, etcd_root: str,
         job_id = response.json()["job_id"]
         wait_for(lambda: running_at(api, job_id, {"a", "b", "c"}), timeout=120,
                  what="the job running on a, b and c")
-        # Their next warm runners import torch beside the job: let them finish first.
+        # Their next warm runners import torch beside the job, and their zygotes go on
+        # importing (torch.optim, torch._dynamo, ...) after they say ready: the job's
+        # own pace is taken over the last WINDOW of 3 * WINDOW steps after that.
         wait_for(lambda: all(warm_runner_ready(root / n) for n in "abc"), timeout=120,
                  what="a's, b's and c's new warm runners ready")
         ready = time.time()
-        started = wait_for(lambda: (s := rank0_steps(root, size=3, after=ready))[WINDOW:]
-                           and s, timeout=180, what="steps at world size 3")[0].time
+        started = wait_for(lambda: (s := rank0_steps(root, size=3, after=ready))[3 * WINDOW:]
+                           and s, timeout=240, what="steps at world size 3")[2 * WINDOW].time
         pids = wait_for(lambda: worker_pids(root / "c", job_id), timeout=10,
                         what="c's workers")
         throttled_at = time.time()
