@@ -35,8 +35,8 @@ etcd has gone quiet:
 consecutive changes at N members beside ``--busy`` (2) Python processes that each spin a
 CPU (started and stopped here, by process group), and checks each: ``leases_lost`` (keepers
 that declared their lease lost, counted in this process), ``false_losses`` (``m/lost/``
-marks of members never killed), ``world_exact`` (every survivor's every round since the act
-has the new size) and ``dropped``.
+marks of members neither killed nor gone by a leave), ``world_exact`` (every survivor's
+every round since the act has the new size) and ``dropped``.
 
 Wall times on a shared 2-core machine measure contention more than the protocol; the
 counts do not depend on the machine.
@@ -254,11 +254,13 @@ class Swarm:
                     m.tick.set()
 
     def falsely_lost(self) -> set[str]:
-        """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed."""
+        """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed and did
+        not leave (a leaver's sockets close too: its peers' mark is true)."""
         client = self.clients[0]
         prefix = client.keys.assigned_lost_prefix(JOB)
         marks, _ = client.get_prefix(prefix)
-        return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - self.crashed
+        gone = self.crashed | {m.node for m in self.members.values() if m.left.is_set()}
+        return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - gone
 
     def spawn(self, n: int, first_min: int, batch: int = 64) -> list[Member]:
         """Start ``n`` members, ``batch`` at a time: each batch has put its join records
