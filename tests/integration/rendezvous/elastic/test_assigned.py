@@ -251,7 +251,9 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     with pytest.raises(AssignmentWithdrawnError, match="node c at generation 1 is gone"):
         c._join.put(2)
     assert etcd_client.get(Keys(root).assigned_join(JOB, "c")) is None
-    a._expected_nodes = b._expected_nodes = lambda: {"a", "b"}
+    # The coordinator's record, as every reader sees it (the old c too: it may lead the
+    # rounds, and would wait assigned_wait_s for itself if it still expected c).
+    a._expected_nodes = b._expected_nodes = c._expected_nodes = lambda: {"a", "b"}
     infos = together(a, b)
     assert [i.world_size for i in infos] == [2, 2]
     # c placed again, at a new generation: the old runner stays out; a new one joins.
@@ -259,7 +261,7 @@ def test_a_runner_whose_assignment_was_withdrawn_cannot_put_its_join_record_back
     with pytest.raises(AssignmentWithdrawnError, match="is replaced"):
         c._join.put(3)
     c4 = make("c", expected={"a", "b", "c"}, fence=Fence(fences["c"].key, 4))
-    a._expected_nodes = b._expected_nodes = lambda: {"a", "b", "c"}  # c is placed again
+    a._expected_nodes = b._expected_nodes = c._expected_nodes = lambda: {"a", "b", "c"}
     assert [i.world_size for i in together(a, b, c4)] == [3, 3, 3]
 
 
