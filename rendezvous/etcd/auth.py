@@ -122,6 +122,8 @@ class _Etcdctl:
             "ETCDCTL_DIAL_TIMEOUT": f"{max(1, int(self.timeout_s))}s",
             "ETCDCTL_COMMAND_TIMEOUT": f"{max(1, int(self.timeout_s))}s",
         }
+        if "PYTHONPATH" in os.environ:  # etcdctl may be pip's Python shim of a --target install
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if self.root_password is not None:
             env.update(ETCDCTL_USER=ROOT_USER, ETCDCTL_PASSWORD=self.root_password)
         try:

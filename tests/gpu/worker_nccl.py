@@ -110,7 +110,7 @@ def mode_abort_live(res: Result, args: argparse.Namespace) -> None:
     try:
         all_reduce_value("cuda")
     except Exception as exc:  # what a worker blocked in a collective sees
-        res.stage("collective raised", error_type=type(exc).__name__, error=str(exc)[:300])
+        res.stage("collective raised", error_type=type(exc).__name__, raised=str(exc)[:300])
     else:
         res.stage("collective completed", error="a collective on the aborted group completed")
 

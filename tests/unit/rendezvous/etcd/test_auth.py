@@ -72,3 +72,25 @@ def test_enable_auth_refuses_a_password_with_a_blank_before_running_anything() -
     with pytest.raises(ValueError, match="'root' is missing or holds a blank"):
         enable_auth(endpoint="127.0.0.1:1", root="/tidal", passwords=passwords,
                     etcdctl=Path("/nonexistent/etcdctl"))
+
+
+def test_etcdctl_as_a_pip_target_shim_finds_its_module_through_pythonpath(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install --target` (the GPU check's install) leaves ``bin/etcdctl`` a Python
+    shim that imports its package from PYTHONPATH; etcdctl runs in a scrubbed
+    environment, which must keep PYTHONPATH (the GPU check's first run failed here)."""
+    import sys
+
+    from rendezvous.etcd.auth import _Etcdctl
+
+    site = tmp_path / "site"
+    (site / "fake_distro").mkdir(parents=True)
+    (site / "fake_distro" / "__init__.py").write_text(
+        "import os\ndef main():\n    print('etcdctl', os.environ['ETCDCTL_ENDPOINTS'])\n")
+    shim = tmp_path / "bin" / "etcdctl"
+    shim.parent.mkdir()
+    shim.write_text(f"#!{sys.executable}\nfrom fake_distro import main\nmain()\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    done = _Etcdctl(shim, "127.0.0.1:2379", timeout_s=10).run("version")
+    assert done.stdout.strip() == "etcdctl 127.0.0.1:2379"
