@@ -65,14 +65,16 @@ bench: setup
 	$(PY) -m pytest tests -m bench -s $(PYTEST_ARGS)
 
 # The count benchmark of the rendezvous (tests/bench/scale_counts.py, issue #24): exact
-# etcd writes, watch events, bytes and liveness connections per round against N, one
-# process of threads on a real etcd; the table is printed and kept in build/bench-scale.json.
+# etcd writes, watch events, bytes and liveness connections per round against N, with
+# the members as threads of worker processes (SCALE_PROCS; 0: one per 128 members) on a real
+# etcd; the table is printed and kept in build/bench-scale.json.
 .PHONY: bench-scale
 SCALE_NODES ?= 8,64,256,1024
+SCALE_PROCS ?= 0
 bench-scale: setup
 	mkdir -p build
 	flock /tmp/tidal-quiet.lock $(PY) -m tests.bench.scale_counts --nodes $(SCALE_NODES) \
-		--out build/bench-scale.json
+		--procs $(SCALE_PROCS) --out build/bench-scale.json
 
 # The chaos soak for longer than `make test` runs it (each kind of fault once): random
 # kills and stops while a job trains; prints the counts, saved to build/chaos-report.json

@@ -2,17 +2,18 @@
 
 ``python -m tests.bench.scale_counts --nodes 8,64,256,1024 --out build/bench-scale.json``
 (``make bench-scale``) runs N members of the agents' rendezvous
-(:class:`~rendezvous.elastic.assigned.AssignedRendezvousHandler`) as threads of this one
-process, on a real etcd (its own, on a free loopback port) with real sockets: each
-member has the handler's own watches, leases and liveness sockets; the members share
-a few etcd clients (gRPC channels) so that 1,024 of them fit one process. Each member
-does what a runner does with its handler (tests/support/rdzv_swarm.py): ask
-``pending_change`` every 0.1 s (one ticker thread asks for every member and wakes the
-member's thread when there is a change), join the next round when there is one.
+(:class:`~rendezvous.elastic.assigned.AssignedRendezvousHandler`) on a real etcd (its own,
+on a free loopback port) with real sockets, spread over ``--procs`` worker processes
+(:mod:`tests.bench.scale_member`: each hosts its share as threads, with the handler's own
+watches, leases and liveness sockets; members are dealt to the workers in turn). This
+process starts etcd and the workers, makes each change and collects the counts; it hosts
+no member. ``--procs 0`` (the default) takes one worker per 128 members: one process of a
+thousand members (about 6,000 threads behind one interpreter lock) starves its own
+keep-alives on 2 cores (docs/benchmarks.md).
 
 For each change (``kill``: a member's sockets close and its keep-alives stop, as
-when its process dies; ``kill-leader``: the same for the member that writes rounds,
-rank 0 where no member does; ``join``: a new member; ``leave``: a planned leave,
+when its process dies; ``kill-leader``: the same for the member that writes rounds;
+``join``: a new member, on the worker with the fewest; ``leave``: a planned leave,
 ``announce_leaving`` then ``leave``) one row, counted between the act and the moment
 every survivor is back from ``next_rendezvous`` in a round of the right size and
 etcd has gone quiet:
@@ -23,20 +24,23 @@ etcd has gone quiet:
 * ``watch_events``: events etcd sent to watchers (``etcd_debugging_mvcc_events_total``);
 * ``etcd_bytes_out``: bytes etcd sent to clients
   (``etcd_network_client_grpc_sent_bytes_total``; keep-alive answers included);
+  etcd's counters are global: they need nothing from the workers;
 * ``liveness_connects``: TCP connections the members' liveness code opened
-  (``socket.create_connection`` called from :mod:`rendezvous.elastic.liveness`);
+  (``socket.create_connection`` called from :mod:`rendezvous.elastic.liveness`), summed
+  over the workers;
 * ``per_member_cpu_ms`` (mean over the survivors but the leader) and ``leader_cpu_ms``:
-  CPU of each member's threads (their names end in the node id), from
-  ``/proc/self/task``; ``process_cpu_ms``: the whole process (gRPC's own threads too);
+  CPU of each member's threads (their names end in the node id), from each worker's
+  ``/proc/self/task``; ``process_cpu_ms``: the workers' CPU (gRPC's own threads too);
+* ``leases_lost``: keepers that declared their lease lost (a crashed member's not counted);
 * ``dropped``: survivors not back in the round of the right size by the deadline, or
-  whose handler failed; ``formation_s``: the act to the last survivor back.
+  whose handler failed; ``world_exact``: every survivor's every round since the act has
+  the new size; ``formation_s``: the act to the last survivor back.
 
 ``--soak N`` runs instead ten
 consecutive changes at N members beside ``--busy`` (2) Python processes that each spin a
-CPU (started and stopped here, by process group), and checks each: ``leases_lost`` (keepers
-that declared their lease lost, counted in this process), ``false_losses`` (``m/lost/``
-marks of members neither killed nor gone by a leave), ``world_exact`` (every survivor's
-every round since the act has the new size) and ``dropped``.
+CPU (started and stopped here, by process group), and checks each: ``leases_lost``,
+``false_losses`` (``m/lost/`` marks of members neither killed nor gone by a leave),
+``world_exact`` and ``dropped``.
 
 Wall times on a shared 2-core machine measure contention more than the protocol; the
 counts do not depend on the machine.
@@ -47,71 +51,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from grpc import _common as grpc_common
-
-from rendezvous.elastic.assigned import AssignedRendezvousHandler
-from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd import EtcdConfig, create_client
 from rendezvous.etcd.server import EtcdServer
 from rendezvous.keys import Keys
-from rendezvous.lease import LeaseKeeper
+from tests.bench.scale_member import JOB, LEASE_TTL_S
 
-POLL_S = 0.1  # agent/runner/elastic.py's monitor_interval
-IDLE_WAKE_S = 5.0  # how often a thread blocked on gRPC wakes with nothing to do (below)
-LEASE_TTL_S = 10
-CLIENTS = 16  # gRPC channels the members share
 CHANGE_DEADLINE_S = 300.0
 QUIET_S = 0.5  # etcd's proposals and events unchanged this long: the change is over
-TICK = os.sysconf("SC_CLK_TCK")
-JOB = "bench"
+PER_PROC = 128  # members per worker when --procs is 0
+CHANNELS = 16  # gRPC channels in all, shared out over the workers (at least 4 each)
+BATCH = 64  # members started at a time, each batch's join records put before the next
 KINDS = ("kill", "kill-leader", "join", "leave")
-
-_connects = [0]
-_real_connect = socket.create_connection
-
-
-def _counting_connect(*args: Any, **kwargs: Any) -> socket.socket:
-    if sys._getframe(1).f_globals.get("__name__") == "rendezvous.elastic.liveness":
-        _connects[0] += 1  # not this benchmark's own scrapes of /metrics
-    return _real_connect(*args, **kwargs)
-
-
-socket.create_connection = _counting_connect  # type: ignore[assignment]
-
-# gRPC Python's blocking calls and stream iterators wait on a condition that each
-# answer notifies, but wake every 0.1 s anyway (grpc._common.MAXIMUM_WAIT_TIMEOUT, so
-# that Ctrl-C is seen). A runner has two or three such threads: 30 wake-ups a second.
-# A thousand members in this one process have two thousand: 20,000 wake-ups a second,
-# each taking the interpreter lock, which on 2 cores starves every other thread (the
-# keep-alives' included) and makes the one-process benchmark measure itself. The answers
-# are delivered as before; only the idle wake-ups go.
-grpc_common.MAXIMUM_WAIT_TIMEOUT = IDLE_WAKE_S
-
-_leases_lost = [0]
-_real_declare_lost = LeaseKeeper._declare_lost
-
-
-def _counting_declare_lost(self: LeaseKeeper, why: str) -> None:
-    if not self._closed.is_set() and not self._lost.is_set():
-        _leases_lost[0] += 1  # a crashed member's keeper is closed first: not counted
-    _real_declare_lost(self, why)
-
-
-LeaseKeeper._declare_lost = _counting_declare_lost  # type: ignore[method-assign]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # etcd's /metrics ---------------------------------------------------------------------------
@@ -137,199 +99,6 @@ def scrape(endpoint: str) -> dict[str, float]:
     return out
 
 
-# per-thread CPU ------------------------------------------------------------------------------
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds by live thread name (threads of one name added up)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid, name in names.items():
-        with contextlib.suppress(OSError, IndexError):
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
-    return out
-
-
-def member_cpu(cpu: dict[str, float], node: str) -> float:
-    pattern = re.compile(rf"(^|[ /]){re.escape(node)}$")
-    return sum(v for name, v in cpu.items() if pattern.search(name))
-
-
-# members -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Member:
-    node: str
-    handler: AssignedRendezvousHandler
-    rounds: list[tuple[float, int, int]] = field(default_factory=list)  # (t, round, world)
-    error: str | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-    leaving: threading.Event = field(default_factory=threading.Event)
-    tick: threading.Event = field(default_factory=threading.Event)
-    left: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def run(self) -> None:
-        try:
-            self._loop()
-        except BaseException:
-            if not self.stop.is_set():
-                self.error = traceback.format_exc()
-
-    def _loop(self) -> None:
-        handler = self.handler
-        info = handler.next_rendezvous()
-        self.rounds.append((time.time(), handler.current_round(), info.world_size))
-        handler.set_bounds(1, 100_000)
-        while not self.stop.is_set() and not self.leaving.is_set():
-            if handler.pending_change() is not None:
-                info = handler.next_rendezvous()
-                self.rounds.append((time.time(), handler.current_round(), info.world_size))
-                continue
-            # The swarm's one ticker asks pending_change for every member each POLL_S
-            # and wakes this thread when there is one (or a leave or stop).
-            self.tick.wait()
-            self.tick.clear()
-        if self.stop.is_set():
-            return
-        handler.announce_leaving()
-        deadline = time.monotonic() + CHANGE_DEADLINE_S
-        while time.monotonic() < deadline and not self.stop.is_set():
-            change = handler.pending_change()
-            if change is not None and change.kind == "superseded":
-                break
-            time.sleep(POLL_S)
-        handler.leave()
-        self.left.set()
-
-    def crash(self) -> None:
-        """What a SIGKILL does to the member: its sockets close, its keep-alives stop.
-        Nothing is revoked or deleted: etcd and the peers find out by themselves."""
-        self.stop.set()
-        self.tick.set()
-        h: Any = self.handler
-        h._stopped.set()
-        leading = getattr(h, "_leading", None)
-        if leading is not None:
-            leading.stop()
-        for part in ("_server", "_monitor"):
-            obj = getattr(h, part, None)
-            if obj is not None:
-                obj.close()
-        keeper = getattr(h._join, "_lease", None)
-        if keeper is not None:
-            keeper.close(revoke=False)
-        for part in ("_watcher", "_leader_watcher"):
-            obj = getattr(h, part, None)
-            if obj is not None:
-                obj.stop(timeout=5)
-
-    def back_in(self, world: int, after: float) -> bool:
-        rounds = [r for r in self.rounds if r[0] > after]
-        return bool(rounds) and rounds[-1][2] == world
-
-
-class Swarm:
-    def __init__(self, endpoint: str, root: str) -> None:
-        config = EtcdConfig(endpoints=[endpoint], root=root, timeout_s=30)
-        self.clients: list[EtcdClient] = [create_client(config) for _ in range(CLIENTS)]
-        self.root = root
-        self.members: dict[str, Member] = {}
-        self.crashed: set[str] = set()
-        self.count = 0
-        self._closed = threading.Event()
-        threading.Thread(target=self._tick, name="ticker", daemon=True).start()
-
-    def _tick(self) -> None:
-        """What each runner's monitor loop does every POLL_S (ask ``pending_change``),
-        for every member from one thread: a thousand threads waking ten times a second
-        each would measure this process's scheduler, not the rendezvous."""
-        while not self._closed.wait(POLL_S):
-            for m in list(self.members.values()):
-                # (a crash, a leave and close set the tick themselves)
-                if not (m.tick.is_set() or m.stop.is_set() or m.left.is_set()) \
-                        and m.handler.pending_change() is not None:
-                    m.tick.set()
-
-    def falsely_lost(self) -> set[str]:
-        """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed and did
-        not leave (a leaver's sockets close too: its peers' mark is true)."""
-        client = self.clients[0]
-        prefix = client.keys.assigned_lost_prefix(JOB)
-        marks, _ = client.get_prefix(prefix)
-        gone = self.crashed | {m.node for m in self.members.values() if m.left.is_set()}
-        return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - gone
-
-    def spawn(self, n: int, first_min: int, batch: int = 64) -> list[Member]:
-        """Start ``n`` members, ``batch`` at a time: each batch has put its join records
-        before the next starts (as nodes that boot over a few seconds do). A thousand
-        threads asking etcd at once would queue on this one process's interpreter lock
-        (every waiter wakes each 5 ms to ask for it), which no real job of separate
-        processes does."""
-        made: list[Member] = []
-        for first in range(0, n, batch):
-            part = self._spawn(min(batch, n - first), first_min)
-            made += part
-            if n > batch:
-                wait(lambda: all(m.handler._join.wanted or m.error for m in part),  # noqa: B023
-                     CHANGE_DEADLINE_S, f"members {part[0].node}.. to put their join records")
-        return made
-
-    def _spawn(self, n: int, first_min: int) -> list[Member]:
-        made = []
-        for _ in range(n):
-            node = f"m{self.count}"
-            client = self.clients[self.count % len(self.clients)]
-            self.count += 1
-            handler = AssignedRendezvousHandler(
-                client, run_id=JOB, node_id=node, addr="127.0.0.1", min_nodes=first_min,
-                max_nodes=100_000, root=self.root, lease_ttl_s=LEASE_TTL_S, join_timeout_s=600,
-            )
-            m = Member(node, handler)
-            m.thread = threading.Thread(target=m.run, name=f"member {node}", daemon=True)
-            self.members[node] = m
-            made.append(m)
-        for m in made:
-            assert m.thread is not None
-            m.thread.start()
-        return made
-
-    def alive(self) -> list[Member]:
-        return [m for m in self.members.values() if not m.stop.is_set() and not m.left.is_set()
-                and not m.leaving.is_set()]
-
-    def leader(self) -> Member:
-        """The member that writes rounds."""
-        alive = self.alive()
-        for m in alive:
-            if getattr(m.handler, "is_leader", lambda: False)():
-                return m
-        return alive[0]  # between leaders (one died, its successor not yet in): any member
-
-    def close(self) -> None:
-        self._closed.set()
-        for m in self.members.values():
-            m.stop.set()
-            m.tick.set()
-        for m in self.members.values():
-            with contextlib.suppress(Exception):
-                m.handler.close()
-        for c in self.clients:
-            c.close()
-
-
-def wait(condition: Callable[[], bool], timeout: float, what: str) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    print(f"  gave up waiting for {what} after {timeout:.0f} s", flush=True)
-    return False
-
-
 def wait_quiet(endpoint: str, timeout: float) -> dict[str, float]:
     """etcd's write and event counters unchanged for QUIET_S (a deadline, then as is)."""
     deadline = time.monotonic() + timeout
@@ -347,95 +116,287 @@ def wait_quiet(endpoint: str, timeout: float) -> dict[str, float]:
     return last
 
 
+# the workers ---------------------------------------------------------------------------------
+
+
+def task_states(pid: int) -> dict[str, int]:
+    """How many threads of process ``pid`` are in each state (R, S, D...), from /proc."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                state = stat.rsplit(")", 1)[1].split()[0]
+                out[state] = out.get(state, 0) + 1
+    return out
+
+
+class WorkerProc:
+    """One worker process (tests/bench/scale_member.py) and its command pipe."""
+
+    def __init__(self, endpoint: str, root: str, clients: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.scale_member", "--endpoint", endpoint,
+             "--root", root, "--clients", str(clients)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+            start_new_session=True,
+        )
+        self.nodes: list[str] = []
+
+    def send(self, op: str, **args: Any) -> None:
+        stdin: IO[str] | None = self.proc.stdin
+        assert stdin is not None
+        stdin.write(json.dumps({"op": op, **args}) + "\n")
+        stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
+        stdout: IO[str] | None = self.proc.stdout
+        assert stdout is not None
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.proc.pid} exited (status {self.proc.poll()})")
+        answer: dict[str, Any] = json.loads(line)
+        if "failed" in answer:
+            raise RuntimeError(f"worker {self.proc.pid}: {answer['failed']}")
+        return answer
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.reply()
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send("close")
+            self.proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+class Fleet:
+    """The members, dealt to ``procs`` worker processes; what the parent knows of them."""
+
+    def __init__(self, endpoint: str, root: str, procs: int) -> None:
+        self.root = root
+        clients = max(4, CHANNELS // procs)
+        self.workers: list[WorkerProc] = []
+        try:
+            for _ in range(procs):
+                self.workers.append(WorkerProc(endpoint, root, clients))
+        except BaseException:
+            self.close()
+            raise
+        self.where: dict[str, WorkerProc] = {}
+        self.order: list[str] = []  # nodes in the order they were started
+        self.crashed: set[str] = set()
+        self.leaving: set[str] = set()
+        self.left: set[str] = set()
+        self.count = 0
+        self.client = create_client(EtcdConfig(endpoints=[endpoint], root=root, timeout_s=30))
+
+    def all(self, op: str, args: dict[WorkerProc, dict[str, Any]] | None = None,
+            **common: Any) -> dict[WorkerProc, dict[str, Any]]:
+        """``op`` on every worker (or those in ``args``, each with its own arguments) at once."""
+        targets = args if args is not None else {w: {} for w in self.workers}
+        for w, own in targets.items():
+            w.send(op, **common, **own)
+        return {w: w.reply() for w in targets}
+
+    def spawn(self, n: int, first_min: int) -> list[str]:
+        """Start ``n`` members, BATCH at a time, dealt in turn to the workers (one member:
+        on the worker with the fewest); each batch has put its join records before the
+        next starts (as nodes that boot over a few seconds do)."""
+        made: list[str] = []
+        for first in range(0, n, BATCH):
+            share: dict[WorkerProc, list[str]] = {}
+            for _ in range(min(BATCH, n - first)):
+                node = f"m{self.count}"
+                self.count += 1
+                worker = min(self.workers, key=lambda w: len(w.nodes))
+                worker.nodes.append(node)
+                self.where[node] = worker
+                self.order.append(node)
+                share.setdefault(worker, []).append(node)
+                made.append(node)
+            replies = self.all("spawn", {w: {"nodes": nodes} for w, nodes in share.items()},
+                               first_min=first_min, timeout=CHANGE_DEADLINE_S)
+            errors = [r["error"] for r in replies.values() if r["error"]]
+            if errors:
+                raise RuntimeError(f"a member failed to start: {errors[0]}")
+        return made
+
+    def alive(self) -> list[str]:
+        gone = self.crashed | self.leaving | self.left
+        return [n for n in self.order if n not in gone]
+
+    def leader(self) -> str:
+        """The member that writes rounds (between leaders: the first alive)."""
+        alive = set(self.alive())
+        for reply in self.all("leader").values():
+            if reply["node"] in alive:
+                return str(reply["node"])
+        return self.alive()[0]
+
+    def crash(self, node: str) -> None:
+        self.crashed.add(node)
+        self.where[node].call("crash", node=node)
+
+    def leave(self, node: str) -> None:
+        self.leaving.add(node)
+        self.where[node].call("leave", node=node)
+
+    def wait_left(self, node: str, timeout: float) -> None:
+        if self.where[node].call("wait_left", node=node, timeout=timeout)["left"]:
+            self.leaving.discard(node)
+            self.left.add(node)
+
+    def wait_back(self, stay: list[str], world: int, after: float,
+                  timeout: float) -> dict[str, Any]:
+        """Every worker waits for its share of ``stay``; the answers summed up."""
+        share: dict[WorkerProc, dict[str, Any]] = {}
+        for node in stay:
+            share.setdefault(self.where[node], {"nodes": []})["nodes"].append(node)
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._report, args=(stop,), daemon=True)
+        watcher.start()
+        try:
+            replies = list(self.all("wait_back", share, world=world, after=after,
+                                    timeout=timeout).values())
+        finally:
+            stop.set()
+        backs = [r["last_back"] for r in replies if r["last_back"] is not None]
+        return {
+            "back": sum(r["back"] for r in replies),
+            "last_back": max(backs, default=None),
+            "dropped": sum(r["dropped"] for r in replies),
+            "world_exact": all(r["sizes_exact"] for r in replies)
+            and sum(r["sizes"] for r in replies) > 0,
+            "rounds_seen": max(r["rounds_seen"] for r in replies),
+            "round_sizes": sorted({tuple(x) for r in replies for x in r["round_sizes"]}),
+            "error": next((r["error"] for r in replies if r["error"]), None),
+        }
+
+    def _report(self, stop: threading.Event) -> None:
+        """Every 30 s of a wait: the load and where each worker's threads are."""
+        start = time.monotonic()
+        while not stop.wait(30):
+            states = [task_states(w.proc.pid) for w in self.workers]
+            print(f"  {time.monotonic() - start:.0f} s: load {os.getloadavg()[0]:.0f}, "
+                  f"threads by state per worker {states}", flush=True)
+
+    def falsely_lost(self) -> set[str]:
+        """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed and did
+        not leave (a leaver's sockets close too: its peers' mark is true)."""
+        prefix = self.client.keys.assigned_lost_prefix(JOB)
+        marks, _ = self.client.get_prefix(prefix)
+        gone = self.crashed | self.leaving | self.left
+        return {n for kv in marks if (n := Keys.id_under(prefix, kv.key))} - gone
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        with contextlib.suppress(AttributeError):
+            self.client.close()
+
+
 # one change ----------------------------------------------------------------------------------
 
 
-def one_change(swarm: Swarm, endpoint: str, kind: str, n: int) -> dict[str, Any]:
-    alive = swarm.alive()
+def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]:
+    alive = fleet.alive()
     if kind == "kill-leader":
-        gone: Member | None = swarm.leader()
+        gone: str | None = fleet.leader()
     elif kind in ("kill", "leave"):
-        leader = swarm.leader()
-        gone = next(m for m in reversed(alive) if m is not leader)
+        leader = fleet.leader()
+        gone = next(m for m in reversed(alive) if m != leader)
     else:
         gone = None
     wait_quiet(endpoint, 30)
-    before, cpu0, conn0, lost0 = scrape(endpoint), thread_cpu(), _connects[0], _leases_lost[0]
-    proc0 = time.process_time()
+    fleet.all("mark")
+    before = scrape(endpoint)
     act = time.time()
     if kind in ("kill", "kill-leader"):
         assert gone is not None
-        swarm.crashed.add(gone.node)
-        gone.crash()
-        stay = [m for m in alive if m is not gone]
+        fleet.crash(gone)
+        stay = [m for m in alive if m != gone]
     elif kind == "leave":
         assert gone is not None
-        gone.leaving.set()
-        gone.tick.set()
-        stay = [m for m in alive if m is not gone]
+        fleet.leave(gone)
+        stay = [m for m in alive if m != gone]
     else:
-        stay = [*alive, *swarm.spawn(1, 1)]
+        stay = [*alive, *fleet.spawn(1, 1)]
     world = len(stay)
-    wait(lambda: all(m.back_in(world, act) or m.error for m in stay), CHANGE_DEADLINE_S,
-         f"{world} members back after a {kind}")
+    back = fleet.wait_back(stay, world, act, CHANGE_DEADLINE_S)
+    if back["back"] < world:
+        print(f"  {back['back']} of {world} members back after a {kind}", flush=True)
     if kind == "leave" and gone is not None:
-        wait(gone.left.is_set, 60, "the leaver to leave")
+        fleet.wait_left(gone, 60)
     after = wait_quiet(endpoint, 30)
-    cpu1, conn1, proc1 = thread_cpu(), _connects[0], time.process_time()
-    backs = [max(r[0] for r in m.rounds if r[0] > act) for m in stay if m.back_in(world, act)]
-    leader = swarm.leader()
-    per = [member_cpu(cpu1, m.node) - member_cpu(cpu0, m.node) for m in stay if m is not leader]
+    leader = fleet.leader()
+    measured = fleet.all("measure", {w: {"nodes": [m for m in stay if fleet.where[m] is w]}
+                                     for w in fleet.workers})
+    cpu = {node: ms for r in measured.values() for node, ms in r["cpu_ms"].items()}
+    per = [ms for node, ms in cpu.items() if node != leader]
 
     def delta(key: str) -> int:
         return int(after.get(key, 0) - before.get(key, 0))
 
-    # World size exact: every survivor's every round since the act has the new size
-    # (a member falsely lost and put back shows as a smaller round, then a larger one).
-    sizes = [r[2] for m in stay for r in m.rounds if r[0] > act]
-
     return {
-        "change": kind, "members": n, "survivors": world,
+        "change": kind, "members": n, "survivors": world, "procs": len(fleet.workers),
         "etcd_write_txns": delta("etcd_server_proposals_committed_total"),
         "etcd_txns": delta("txn"),
         "watch_events": delta("etcd_debugging_mvcc_events_total"),
         "etcd_bytes_out": delta("etcd_network_client_grpc_sent_bytes_total"),
-        "liveness_connects": conn1 - conn0,
-        "per_member_cpu_ms": round(1000 * sum(per) / max(1, len(per)), 2),
-        "leader_cpu_ms": round(1000 * (member_cpu(cpu1, leader.node)
-                                       - member_cpu(cpu0, leader.node)), 1),
-        "process_cpu_ms": round(1000 * (proc1 - proc0), 1),
-        "dropped": sum(1 for m in stay if not m.back_in(world, act) or m.error),
-        "formation_s": round(max(backs) - act, 3) if backs else None,
-        "leases_lost": _leases_lost[0] - lost0,
-        "false_losses": len(swarm.falsely_lost()),
-        "world_exact": bool(sizes) and all(size == world for size in sizes),
-        "rounds_seen": max((len({r[1] for r in m.rounds if r[0] > act}) for m in stay),
-                           default=0),
+        "liveness_connects": sum(r["connects"] for r in measured.values()),
+        "per_member_cpu_ms": round(sum(per) / max(1, len(per)), 2),
+        "leader_cpu_ms": round(cpu.get(leader, 0.0), 1),
+        "process_cpu_ms": round(sum(r["process_cpu_ms"] for r in measured.values()), 1),
+        "threads": sum(r["threads"] for r in measured.values()),
+        "dropped": back["dropped"],
+        "formation_s": round(back["last_back"] - act, 3) if back["last_back"] else None,
+        "leases_lost": sum(r["leases_lost"] for r in measured.values()),
+        "false_losses": len(fleet.falsely_lost()),
+        "world_exact": back["world_exact"],
+        "rounds_seen": back["rounds_seen"],
+        "round_sizes": back["round_sizes"],
+        "error": back["error"],
+        "load_average": round(os.getloadavg()[0], 1),
     }
 
 
-def run_size(endpoint: str, n: int, protocol: str) -> list[dict[str, Any]]:
-    swarm = Swarm(endpoint, f"/bench-{protocol}-{n}-{os.getpid()}")
+def first_round(fleet: Fleet, n: int) -> tuple[float, str | None]:
+    """Start ``n`` members and wait for their first round: (seconds, why it failed)."""
+    start = time.time()
+    fleet.spawn(n, n)
+    back = fleet.wait_back(fleet.alive(), n, start, CHANGE_DEADLINE_S * 2)
+    took = round(time.time() - start, 1)
+    if back["back"] < n or back["error"]:
+        return took, back["error"] or f"{back['back']} of {n} members in the first round"
+    return took, None
+
+
+def procs_for(n: int, procs: int) -> int:
+    return procs or math.ceil(n / PER_PROC)
+
+
+def run_size(endpoint: str, n: int, protocol: str, procs: int) -> list[dict[str, Any]]:
+    fleet = Fleet(endpoint, f"/bench-{protocol}-{n}-{os.getpid()}", procs_for(n, procs))
     rows: list[dict[str, Any]] = []
     try:
-        start = time.time()
-        swarm.spawn(n, n)
-        formed = wait(lambda: all(m.back_in(n, start) or m.error
-                                  for m in swarm.members.values()), CHANGE_DEADLINE_S * 2,
-                      f"{n} members in their first round")
-        errors = [m.error for m in swarm.members.values() if m.error]
-        if not formed or errors:
-            print(errors[0] if errors else "no first round", flush=True)
+        took, failed = first_round(fleet, n)
+        if failed:
+            print(f"{n} members: {failed} after {took} s", flush=True)
             return rows
-        print(f"{n} members formed their first round in {time.time() - start:.1f} s", flush=True)
+        print(f"{n} members in {len(fleet.workers)} processes formed their first round "
+              f"in {took} s", flush=True)
         for kind in KINDS:
-            row = {"protocol": protocol, **one_change(swarm, endpoint, kind, len(swarm.alive()))}
+            row = {"protocol": protocol, **one_change(fleet, endpoint, kind, len(fleet.alive()))}
             print(json.dumps(row), flush=True)
             rows.append(row)
             if row["dropped"]:
                 break
     finally:
-        swarm.close()
+        fleet.close()
     return rows
 
 
@@ -461,38 +422,33 @@ def busy_loops(count: int) -> Any:
             proc.wait(timeout=30)
 
 
-def run_soak(endpoint: str, n: int, busy: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_soak(endpoint: str, n: int, busy: int,
+             procs: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Form a round of ``n`` members, then run SOAK_KINDS back to back beside ``busy`` loops.
 
     Every change is counted (one_change) and checked: no lease lost, no member
     falsely marked lost, every survivor's rounds of the new size only, none dropped.
     """
-    swarm = Swarm(endpoint, f"/bench-soak-{n}-{os.getpid()}")
+    fleet = Fleet(endpoint, f"/bench-soak-{n}-{os.getpid()}", procs_for(n, procs))
     rows: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {"members": n, "busy_loops": busy}
+    summary: dict[str, Any] = {"members": n, "busy_loops": busy, "procs": len(fleet.workers)}
     try:
-        start = time.time()
-        swarm.spawn(n, n)
-        formed = wait(lambda: all(m.back_in(n, start) or m.error
-                                  for m in swarm.members.values()), CHANGE_DEADLINE_S * 2,
-                      f"{n} members in their first round")
-        summary["first_round_s"] = round(time.time() - start, 1)
-        errors = [m.error for m in swarm.members.values() if m.error]
-        if not formed or errors:
-            summary["failed"] = errors[0] if errors else "no first round"
+        summary["first_round_s"], failed = first_round(fleet, n)
+        if failed:
+            summary["failed"] = failed
             return rows, summary
         print(f"{n} members formed their first round in {summary['first_round_s']} s", flush=True)
         with busy_loops(busy) as pids:
             summary["busy_pids"] = pids
             for kind in SOAK_KINDS:
-                row = one_change(swarm, endpoint, kind, len(swarm.alive()))
+                row = one_change(fleet, endpoint, kind, len(fleet.alive()))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 if row["dropped"]:
                     break
             summary["load_average"] = os.getloadavg()
     finally:
-        swarm.close()
+        fleet.close()
     summary.update(
         changes=len(rows),
         leases_lost=sum(r["leases_lost"] for r in rows),
@@ -503,8 +459,9 @@ def run_soak(endpoint: str, n: int, busy: int) -> tuple[list[dict[str, Any]], di
     return rows, summary
 
 
-COLUMNS = ("protocol", "change", "members", "etcd_write_txns", "watch_events", "etcd_bytes_out",
-           "liveness_connects", "per_member_cpu_ms", "leader_cpu_ms", "dropped", "formation_s")
+COLUMNS = ("protocol", "change", "members", "procs", "etcd_write_txns", "watch_events",
+           "etcd_bytes_out", "liveness_connects", "per_member_cpu_ms", "leader_cpu_ms",
+           "leases_lost", "dropped", "world_exact", "formation_s")
 
 
 def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
@@ -518,6 +475,8 @@ def main(argv: list[str]) -> None:
     global CHANGE_DEADLINE_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--nodes", default="8,64,256,1024")
+    parser.add_argument("--procs", type=int, default=0,
+                        help=f"worker processes hosting the members (0: one per {PER_PROC})")
     parser.add_argument("--protocol", default="leader",
                         help="a label for the rows: the protocol of the checked-out code")
     parser.add_argument("--out", type=Path, default=Path("build/bench-scale.json"))
@@ -528,12 +487,13 @@ def main(argv: list[str]) -> None:
                         help="seconds a change may take (the first round: twice that)")
     args = parser.parse_args(argv)
     CHANGE_DEADLINE_S = args.deadline
+    meta: dict[str, Any] = {"cores": os.cpu_count(), "lease_ttl_s": LEASE_TTL_S,
+                            "load_average_start": os.getloadavg()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.soak:
         with EtcdServer() as etcd:
-            soak_rows, summary = run_soak(etcd.endpoint, args.soak, args.busy)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        soak_meta = {"cores": os.cpu_count(), "lease_ttl_s": LEASE_TTL_S}
-        args.out.write_text(json.dumps({"meta": soak_meta, "summary": summary,
+            soak_rows, summary = run_soak(etcd.endpoint, args.soak, args.busy, args.procs)
+        args.out.write_text(json.dumps({"meta": meta, "summary": summary,
                                         "rows": soak_rows}, indent=1))
         print(table(soak_rows, SOAK_COLUMNS))
         print(json.dumps(summary))
@@ -541,13 +501,11 @@ def main(argv: list[str]) -> None:
     rows: list[dict[str, Any]] = []
     with EtcdServer() as etcd:
         for n in (int(x) for x in args.nodes.split(",") if x):
-            rows += run_size(etcd.endpoint, n, args.protocol)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "lease_ttl_s": LEASE_TTL_S}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            rows += run_size(etcd.endpoint, n, args.protocol, args.procs)
+            meta["load_average"] = os.getloadavg()
+            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(table(rows))
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    os._exit(0)  # daemon threads of crashed members: do not wait for them
