@@ -342,11 +342,14 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
     def _after_change(self, change: Change, members: frozenset[str]) -> frozenset[str]:
         """This node's round is obsolete: resize live, or restart the group
         (:func:`agent.runner.restarts.for_change`). Returns the new round's members."""
-        lost = change.kind == LOST
-        step = restarts.for_change(change.kind, self._budget,
+        # A worker that caught a failed collective already: a member is lost, whatever
+        # this node saw first (a join or leave announced just before the death).
+        lost = change.kind == LOST or (change.kind in restarts.PLANNED
+                                       and self._caught_failure())
+        step = restarts.for_change(LOST if lost else change.kind, self._budget,
                                    lambda: self._live_blocker(lost=lost))
         if step.action is Action.LIVE:
-            return self._live_resize(change, members)
+            return self._live_resize(change, members, lost=lost)
         self._notice_recovery()
         nodes = ", ".join(sorted(change.nodes)) or "-"
         if step.broken:

@@ -33,6 +33,9 @@ from checkpoints.protocol.live import LiveState, WorkerLive, read_worker_live
 # Outcomes that are not a fallback.
 WAITING = "waiting"
 DONE = "done"
+# A planned resize during which a worker caught a failed collective: a member of the
+# old group died meanwhile, and the round the runner formed is to be taken in place.
+LOST_MEANWHILE = "lost_meanwhile"
 
 
 def read_workers(progress_dir: Path, local_ranks: Collection[int]) -> dict[int, WorkerLive]:
@@ -55,12 +58,13 @@ def blocker(
     ``resized`` into an earlier round) from a process that still runs: a script
     that does not use the library, or one still starting, has no file. For a
     member ``lost`` (in-place recovery), a worker that already caught the failed
-    collective and says ``resizing`` (waiting for the runner's next round) can too.
+    collective and says ``broken`` (waiting for the runner's next round) can too,
+    as can one on its way into a planned resize (``resizing``).
     """
     if not local_ranks:
         return NOT_CAPABLE
-    states = (LiveState.READY, LiveState.RESIZED, LiveState.RESIZING) if lost else (
-        LiveState.READY, LiveState.RESIZED)
+    states = (LiveState.READY, LiveState.RESIZED, LiveState.RESIZING, LiveState.BROKEN) if lost \
+        else (LiveState.READY, LiveState.RESIZED)
     for local_rank in local_ranks:
         worker = workers.get(local_rank)
         if worker is None or worker.state not in states or not alive(worker.pid):
@@ -68,10 +72,18 @@ def blocker(
     return None
 
 
+def caught_failure(workers: Mapping[int, WorkerLive], local_ranks: Collection[int]) -> bool:
+    """Whether a local worker caught a failed collective and waits for the notice of
+    a round marked lost (it says ``broken``): a member of its group is gone, whatever
+    change the runner saw first."""
+    return any((w := workers.get(lr)) is not None and w.state == LiveState.BROKEN
+               for lr in local_ranks)
+
+
 def resize_outcome(
     workers: Mapping[int, WorkerLive], local_ranks: Collection[int], round_: int, *,
     exited: bool, superseded: bool, now: float, deadline: float,
-    ack_deadline: float | None = None,
+    ack_deadline: float | None = None, planned: bool = False,
 ) -> str:
     """Where a live resize into ``round_`` stands on this node.
 
@@ -88,11 +100,16 @@ def resize_outcome(
             or ``resized`` into ``round_``): one still blocked (a peer that
             hangs without closing its sockets, which gloo cannot cut short)
             is not waited for until ``deadline``.
+        planned: the resize is a planned one (a join or a leave): a worker that
+            caught a failed collective meanwhile (``broken``) waits for a notice
+            marked lost, which this round's is not yet.
 
     Returns:
         :data:`DONE` once every worker says ``resized`` into ``round_`` (or
-        later), :data:`WAITING` while it may still come, else the fallback
-        cause: ``worker_exited``, ``membership_changed`` or ``timeout``.
+        later), :data:`WAITING` while it may still come, :data:`LOST_MEANWHILE`
+        when a planned resize met a member's death (the runner marks the round
+        lost and waits again), else the fallback cause: ``worker_exited``,
+        ``membership_changed`` or ``timeout``.
     """
     if local_ranks and all(
         (w := workers.get(lr)) is not None and w.state == LiveState.RESIZED and w.round >= round_
@@ -103,11 +120,14 @@ def resize_outcome(
         return WORKER_EXITED
     if superseded:
         return MEMBERSHIP_CHANGED
+    if planned and caught_failure(workers, local_ranks):
+        return LOST_MEANWHILE
     if now >= deadline:
         return TIMEOUT
     if ack_deadline is not None and now >= ack_deadline and not all(
         (w := workers.get(lr)) is not None and (
-            w.state == LiveState.RESIZING or (w.state == LiveState.RESIZED and w.round >= round_))
+            w.state in (LiveState.BROKEN, LiveState.RESIZING)
+            or (w.state == LiveState.RESIZED and w.round >= round_))
         for lr in local_ranks
     ):
         return TIMEOUT

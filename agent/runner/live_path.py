@@ -111,9 +111,31 @@ class LivePath:
         return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, alive,
                             lost=lost)
 
-    def _live_resize(self, change: Change, members: frozenset[str]) -> frozenset[str]:
+    def _caught_failure(self) -> bool:
+        """Whether a local worker caught a failed collective (a member of its group is
+        lost), whatever change the runner saw first."""
+        if self._progress_dir is None:
+            return False
+        local_ranks = [w.local_rank for w in self._worker_group.workers]
+        return live.caught_failure(live.read_workers(self._progress_dir, local_ranks),
+                                   local_ranks)
+
+    def _write_lost_notice(self, broken_round: int, now: float) -> None:
+        """Tell the workers that round ``broken_round`` lost a member: their watchdog
+        gets a collective blocked on the dead peer out."""
+        assert self._progress_dir is not None
+        try:
+            write_lost_notice(self._progress_dir, round_=broken_round, now=now)
+        except OSError as exc:
+            log.warning("cannot write the live lost notice: %s", exc)
+
+    def _live_resize(self, change: Change, members: frozenset[str], *,
+                     lost: bool | None = None) -> frozenset[str]:
         """Form the next round with the workers running, and have them re-form their group.
 
+        ``lost``: the round recovers from a member lost (default: the change is
+        :data:`~rendezvous.elastic.assigned_rounds.LOST`); a planned change during
+        which a worker catches a failed collective becomes one, in the round formed.
         Falls back to restarting the group (in the round just formed) when the
         workers do not all answer in time (:func:`agent.runner.restarts.after_live`).
         Returns the new round's members.
@@ -121,14 +143,11 @@ class LivePath:
         assert self._progress_dir is not None
         group = self._worker_group
         noticed_at, noticed = time.time(), time.monotonic()
-        lost = change.kind == LOST
+        lost = change.kind == LOST if lost is None else lost
+        broken_round = self._handler.current_round()
         if lost:
             # First of all, so that a worker blocked on the dead peer hears of it.
-            try:
-                write_lost_notice(self._progress_dir, round_=self._handler.current_round(),
-                                  now=noticed_at)
-            except OSError as exc:
-                log.warning("cannot write the live lost notice: %s", exc)
+            self._write_lost_notice(broken_round, noticed_at)
         log.info("node(s) %s %s: resizing the group live%s", ", ".join(sorted(change.nodes)),
                  {WAITING: "waiting to join", LOST: "lost"}.get(change.kind, "leaving"),
                  " (in place: the survivors keep their processes)" if lost else "")
@@ -141,9 +160,19 @@ class LivePath:
             worker.id = ids.get(worker.local_rank)
         new_members = self._handler.participants()
         round_ = self._handler.current_round()
-        step = restarts.after_live(change.kind, self._budget,
-                                   self._tell_and_await(round_,
-                                                        lost_since=noticed if lost else None))
+        outcome = self._tell_and_await(round_, lost_since=noticed if lost else None)
+        if outcome == live.LOST_MEANWHILE:
+            # A member of the old group died while this node took a planned change (it
+            # saw the join or leave first): the workers wait for a round marked lost.
+            # The round just formed is one: mark it so (if it still holds the dead
+            # member, its loss supersedes it and the group restarts, as for any
+            # recovery superseded).
+            log.warning("a worker caught a failed collective during the planned resize into "
+                        "round %d: a member is lost; the round is taken in place", round_)
+            lost = True
+            self._write_lost_notice(broken_round, time.time())
+            outcome = self._tell_and_await(round_, lost_since=time.monotonic())
+        step = restarts.after_live(LOST if lost else change.kind, self._budget, outcome)
         self._resizing = False
         reason = step.resize or "lost"
         if step.action is Action.LIVE:
@@ -199,6 +228,7 @@ class LivePath:
                 exited=not all(alive(pid) for pid in self._pcontext.pids().values()),
                 superseded=change is not None and change.kind not in restarts.PLANNED,
                 now=time.monotonic(), deadline=deadline, ack_deadline=ack_deadline,
+                planned=lost_since is None,
             )
             if outcome != live.WAITING:
                 return outcome

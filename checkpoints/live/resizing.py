@@ -229,7 +229,7 @@ class LiveResizing:
                     type(exc).__name__)
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
-        self._live.report(LiveState.RESIZING, step=step)
+        self._live.report(LiveState.BROKEN, step=step)
         notice = self._live.lost_notice()
         detected = time.monotonic()
         self._abandon()

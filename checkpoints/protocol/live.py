@@ -28,8 +28,10 @@ workers run the user's code):
   :data:`EXIT_LEFT` (77) without saving: the others hold the state.
 * ``live-<local_rank>.json``, from each worker (:class:`WorkerLive`): "ready"
   once its checkpointer can take the live path (the runner's test of
-  capability), "resizing" when it acts, "resized" with the round and step
-  when the new group trains, "left" right before exiting 77.
+  capability), "resizing" when it acts on a planned resize, "broken" when a
+  collective of its group failed (a member is lost: it waits for the notice
+  marked ``lost``), "resized" with the round and step when the new group
+  trains, "left" right before exiting 77.
 """
 
 from __future__ import annotations
@@ -85,10 +87,12 @@ _WORKER_PREFIX = "live-"
 
 class LiveState(enum.StrEnum):
     """A worker's state on the live path: READY -> RESIZING -> RESIZED (-> RESIZING ...),
-    or READY/RESIZED -> LEFT (terminal)."""
+    READY/RESIZED -> BROKEN -> RESIZED (a member lost: in place), or READY/RESIZED ->
+    LEFT (terminal)."""
 
     READY = "ready"
     RESIZING = "resizing"
+    BROKEN = "broken"
     RESIZED = "resized"
     LEFT = "left"
 

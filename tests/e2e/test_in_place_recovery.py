@@ -221,11 +221,6 @@ def test_survivors_of_a_hung_node_keep_their_processes_and_end_with_the_referenc
     assert_same_params(record_params(record), record_params(reference_record))
 
 
-@pytest.mark.skip(reason="#25, open: passed alone (52 s, after the member_change fix) but "
-                  "failed in a full run: a saw b's leave 44 ms before its ring saw c die, took "
-                  "the planned live resize into a round with dead c, and the runner does not "
-                  "switch a planned resize to the loss path when the workers' collective fails "
-                  "meanwhile (they wait 30 s for a lost notice); fix that, then remove this mark")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_drain_during_an_in_place_recovery_and_the_dead_node_coming_back(

@@ -111,3 +111,39 @@ def test_a_join_and_a_leave_are_live_and_a_worker_that_dies_in_one_falls_back_to
                           ("c", {"live": {"leave": 1}})):
         wait_for(lambda n=node, c=counted: _resizes(tmp_path, n) == c,  # type: ignore[misc]
                  timeout=10, what=f"{node}'s metrics to count its resizes")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_member_lost_during_a_planned_join_turns_the_round_into_an_in_place_recovery(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    """A node saw a join (or leave) just before a member's death: its runner took the
+    planned resize, and its workers' collective then failed, so they wait for a round
+    marked lost. The runner marks the round it formed lost instead of leaving them to
+    time out (30 s) and restarting: the workers keep their processes."""
+    agents = AgentCluster(etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root,
+                          workdir=tmp_path, procs=procs)
+    # Rounds: 1 (a, b), 2 (c joins): a's and b's stand-ins answer round 2's planned
+    # notice "broken", as workers whose all-reduce failed at that moment.
+    job = _job(tmp_path, "broken", "2")
+    etcd_client.put(etcd_client.keys.job(JOB), job_record_for(job, {"a": 1, "b": 1}))
+    for node in ("a", "b", "c"):
+        agents.start_agent(node)
+    for node in ("a", "b"):
+        assign(etcd_client, node, job)
+    wait_for(lambda: _at(etcd_client, {"a", "b"}, 2), timeout=120,
+             what="world size 2 on a and b")
+    pids = {n: wait_for(lambda n=n: _worker_pid(tmp_path, n), timeout=30,  # type: ignore[misc]
+                        what=f"{n}'s worker ready") for n in ("a", "b")}
+
+    assign(etcd_client, "c", job)
+    wait_for(lambda: _at(etcd_client, {"a", "b", "c"}, 3), timeout=60,
+             what="world size 3 on a, b, c")
+    for node in ("a", "b"):
+        wait_for(lambda n=node: _resizes(tmp_path, n) == {"live": {"lost": 1}},  # type: ignore[misc]
+                 timeout=10, what=f"{node}'s metrics to count one live recovery from a loss")
+        st = statuses(etcd_client, JOB)[node]
+        assert (st.resize_paths, st.last_resize, st.restart_count) == ({"live": 1}, "live", 0), st
+        assert _worker_pid(tmp_path, node) == pids[node], f"{node}'s worker was restarted"

@@ -4,7 +4,10 @@
 runner as a job's command. It announces the live path (``ready``) unless MODE
 is ``plain``; on a resize notice of a newer round it answers ``resized``, or
 exits 3 if the round is FAIL_FROM or later (a worker that dies in the live
-path); on a leave notice it says ``left`` and exits 77 once a worker of
+path). MODE ``broken``: a planned (not ``lost``) notice of round FAIL_FROM or
+later is answered ``broken``, as by a worker whose collective failed at that
+moment (a member died during a planned change), and only a notice marked
+``lost`` then gets ``resized``. On a leave notice it says ``left`` and exits 77 once a worker of
 another node acts on a newer round (the files the glob in ``STANDIN_PEERS``
 finds; at once without it), as a worker on the checkpoints library leaves at
 the step where its group agreed to resize.
@@ -55,10 +58,14 @@ def main(mode: str, fail_from: int) -> int:
         write_worker_live(directory, local_rank, WorkerLive(pid, 0, None, LiveState.READY))
     while True:
         notice = read_resize_notice(directory)
-        if mode != "plain" and notice is not None and notice.round > current:
+        if mode == "broken" and notice is not None and notice.round > current and (
+            notice.round >= fail_from and not notice.lost
+        ):
+            write_worker_live(directory, local_rank, WorkerLive(pid, current, 0, LiveState.BROKEN))
+        elif mode != "plain" and notice is not None and notice.round > current:
             write_worker_live(directory, local_rank,
                               WorkerLive(pid, notice.round, 0, LiveState.RESIZING))
-            if notice.round >= fail_from:
+            if mode == "answer" and notice.round >= fail_from:
                 return 3
             current = notice.round
             write_worker_live(directory, local_rank,

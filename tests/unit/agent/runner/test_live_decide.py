@@ -126,16 +126,48 @@ def test_a_planned_leave_is_done_once_every_worker_left_and_exited() -> None:
 
 @given(st.dictionaries(st.integers(0, 3), st.sampled_from(
     list(LiveState)), max_size=4),
-    st.booleans(), st.booleans(), st.floats(0, 20))
+    st.booleans(), st.booleans(), st.floats(0, 20), st.booleans())
 def test_a_live_resize_waits_only_before_its_deadline_and_only_while_nothing_went_wrong(
-    states: dict[int, LiveState], exited: bool, superseded: bool, now: float
+    states: dict[int, LiveState], exited: bool, superseded: bool, now: float, planned: bool
 ) -> None:
     workers = {lr: worker(100 + lr, s, 3) for lr, s in states.items()}
     result = live.resize_outcome(workers, [0, 1, 2, 3], 3, exited=exited,
-                                 superseded=superseded, now=now, deadline=10.0)
-    assert result in (live.DONE, live.WAITING, *FALLBACK_CAUSES)
+                                 superseded=superseded, now=now, deadline=10.0, planned=planned)
+    assert result in (live.DONE, live.WAITING, live.LOST_MEANWHILE, *FALLBACK_CAUSES)
+    assert (result == live.LOST_MEANWHILE) == (
+        planned and not exited and not superseded and result != live.DONE
+        and LiveState.BROKEN in states.values())
     if result == live.WAITING:
         assert not exited and not superseded and now < 10.0
     assert (result == live.DONE) == (
         len(states) == 4 and all(s == LiveState.RESIZED for s in states.values()))
 
+
+
+def test_a_worker_that_caught_a_failed_collective_can_recover_in_place_but_not_resize_planned(
+) -> None:
+    broken = {0: worker(101), 1: worker(102, LiveState.BROKEN)}
+    assert live.caught_failure(broken, [0, 1])
+    assert not live.caught_failure({0: worker(101), 1: worker(102, LiveState.RESIZING)}, [0, 1])
+    assert live.blocker(broken, [0, 1], alive, lost=True) is None
+    assert live.blocker(broken, [0, 1], alive) == NOT_CAPABLE
+
+
+def test_a_planned_resize_that_meets_a_failed_collective_turns_into_a_loss() -> None:
+    broken = {0: worker(101, LiveState.BROKEN, 2), 1: worker(102, LiveState.READY)}
+
+    def planned(workers: dict[int, WorkerLive], **kw: bool) -> str:
+        return live.resize_outcome(workers, [0, 1], 3, exited=kw.get("exited", False),
+                                   superseded=kw.get("superseded", False), now=0.0,
+                                   deadline=10.0, planned=True)
+
+    assert planned(broken) == live.LOST_MEANWHILE
+    # A worker gone or the round obsolete: the fallback, as before.
+    assert planned(broken, exited=True) == WORKER_EXITED
+    assert planned(broken, superseded=True) == MEMBERSHIP_CHANGED
+    # Once marked lost, "broken" is what the runner waits for (until the ack deadline).
+    assert live.resize_outcome(broken | {1: worker(102, LiveState.BROKEN, 2)}, [0, 1], 3,
+                               exited=False, superseded=False, now=5.0, deadline=10.0,
+                               ack_deadline=2.0) == live.WAITING
+    assert live.resize_outcome(broken, [0, 1], 3, exited=False, superseded=False, now=5.0,
+                               deadline=10.0, ack_deadline=2.0) == TIMEOUT
