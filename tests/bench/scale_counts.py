@@ -69,6 +69,7 @@ from tests.bench.scale_member import JOB, LEASE_TTL_S
 
 CHANGE_DEADLINE_S = 300.0
 QUIET_S = 0.5  # etcd's proposals and events unchanged this long: the change is over
+SETTLE_S = 120.0  # how long a change waits for every member to be in one round, none pending
 PER_PROC = 128  # members per worker when --procs is 0
 CHANNELS = 16  # gRPC channels in all, shared out over the workers (at least 4 each)
 BATCH = 64  # members started at a time, each batch's join records put before the next
@@ -89,8 +90,11 @@ def scrape(endpoint: str) -> dict[str, float]:
         name, _, value = line.rpartition(" ")
         base = name.split("{", 1)[0]
         key = base
-        if base == "grpc_server_handled_total" and 'grpc_method="Txn"' in name:
-            key = "txn"
+        method = name.split('grpc_method="', 1)[-1].split('"', 1)[0]
+        if "etcdserverpb" in name and base == "grpc_server_handled_total":
+            key = f"calls:{method}"  # calls handled, by method (every status code)
+        elif "etcdserverpb" in name and base == "grpc_server_msg_sent_total":
+            key = f"sent:{method}"  # messages sent, by method (a watch event batch is one)
         elif base not in ("etcd_server_proposals_committed_total",
                           "etcd_debugging_mvcc_events_total",
                           "etcd_network_client_grpc_sent_bytes_total"):
@@ -284,6 +288,25 @@ class Fleet:
             print(f"  {time.monotonic() - start:.0f} s: load {os.getloadavg()[0]:.0f}, "
                   f"threads by state per worker {states}", flush=True)
 
+    def settle(self, timeout: float) -> bool:
+        """Wait until every living member is in the same round and none sees a change
+        (the last change's stragglers, a lease lost and put back): each change starts
+        from a round that holds. False: not by ``timeout``, the change goes ahead."""
+        deadline = time.monotonic() + timeout
+        while True:
+            share: dict[WorkerProc, dict[str, Any]] = {w: {"nodes": []} for w in self.workers}
+            for node in self.alive():
+                share[self.where[node]]["nodes"].append(node)
+            replies = self.all("rounds", share).values()
+            rounds = {r for reply in replies for r in reply["rounds"]}
+            if len(rounds) == 1 and not any(reply["pending"] for reply in replies):
+                return True
+            if time.monotonic() > deadline:
+                print(f"  not settled after {timeout:.0f} s: rounds {sorted(rounds)}, "
+                      f"{sum(r['pending'] for r in replies)} members see a change", flush=True)
+                return False
+            time.sleep(0.5)
+
     def falsely_lost(self) -> set[str]:
         """Nodes a ring peer marked lost (``m/lost/<node>``) that were never killed and did
         not leave (a leaver's sockets close too: its peers' mark is true)."""
@@ -311,6 +334,7 @@ def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]
         gone = next(m for m in reversed(alive) if m != leader)
     else:
         gone = None
+    settled = fleet.settle(SETTLE_S)
     wait_quiet(endpoint, 30)
     fleet.all("mark")
     before = scrape(endpoint)
@@ -341,10 +365,15 @@ def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]
     def delta(key: str) -> int:
         return int(after.get(key, 0) - before.get(key, 0))
 
+    def by_method(kind: str) -> dict[str, int]:
+        return {k.split(":", 1)[1]: d for k in after if k.startswith(kind) and (d := delta(k))}
+
     return {
         "change": kind, "members": n, "survivors": world, "procs": len(fleet.workers),
         "etcd_write_txns": delta("etcd_server_proposals_committed_total"),
-        "etcd_txns": delta("txn"),
+        "etcd_txns": delta("calls:Txn"),
+        "etcd_calls": by_method("calls:"),
+        "etcd_msgs_sent": by_method("sent:"),
         "watch_events": delta("etcd_debugging_mvcc_events_total"),
         "etcd_bytes_out": delta("etcd_network_client_grpc_sent_bytes_total"),
         "liveness_connects": sum(r["connects"] for r in measured.values()),
@@ -361,6 +390,7 @@ def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]
         "round_sizes": back["round_sizes"],
         "error": back["error"],
         "load_average": round(os.getloadavg()[0], 1),
+        "settled_before": settled,
     }
 
 

@@ -14,7 +14,8 @@ and reads one JSON object a line back from the worker's stdout, in order; everyt
 worker prints goes to stderr (its stdout is moved to a private descriptor first). Operations:
 ``spawn`` (start members by name, and wait until their join records are put), ``wait_back``
 (wait until the named members are back in a round of a given size after a given time, and
-say how), ``leader``, ``mark`` / ``measure`` (this process's counters before and after a
+say how), ``rounds`` (the named members' rounds, and how many see a change), ``leader``,
+``mark`` / ``measure`` (this process's counters before and after a
 change: CPU by member from ``/proc/self/task``, liveness connects, leases lost), ``crash``,
 ``leave``, ``wait_left`` and ``close``.
 
@@ -290,6 +291,10 @@ class Worker:
         if op == "leader":
             return {"node": next((m.node for m in swarm.members.values()
                                   if not m.stop.is_set() and m.handler.is_leader()), None)}
+        if op == "rounds":
+            members = [swarm.members[n] for n in args["nodes"]]
+            return {"rounds": sorted({m.handler.current_round() for m in members}),
+                    "pending": sum(1 for m in members if m.handler.pending_change() is not None)}
         if op == "mark":
             self._mark = (thread_cpu(), _connects[0], _leases_lost[0], time.process_time())
             return {}
