@@ -21,9 +21,19 @@ torch 2.13, on CPU with gloo.
   same step with ``trainer.save_checkpoint`` as ``last.ckpt`` in the
   ``ModelCheckpoint``'s directory (so ``fit(ckpt_path="last")`` resumes it),
   and the process exits with :data:`checkpoints.EXIT_PREEMPTED` (75).
+* **The just-in-time save when a peer dies** (:mod:`checkpoints.frameworks.lightning_jit`):
+  when ``fit`` fails in a collective, each survivor writes the last completed
+  step as ``last.ckpt`` in the same directory, in Lightning's own format and with
+  no collective (a checkpoint of that step or a newer one is never overwritten),
+  so ``fit(ckpt_path="last")`` loses at most the step in flight. Only for
+  replicated state (DDP, one device): under FSDP, DeepSpeed or a
+  ``ZeroRedundancyOptimizer`` it logs why and does nothing. ``jit_save=False``
+  or ``TIDAL_JIT_SAVE=0`` turns it off.
 
-Not done: the just-in-time save when a peer dies, and the live path (the
-strategy owns the DDP wrapper and the process group for the whole ``fit``).
+Not done: the live path (the strategy owns the DDP wrapper and the process
+group for the whole ``fit``), so a join, a PATCH or a drain takes the restart
+path (cleanly: the agreed stop loses no completed step), and a peer's death
+restarts the survivors after their just-in-time save.
 
 ``lightning`` is imported when a class here is first used, never by importing
 :mod:`checkpoints`.
@@ -38,7 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpoints.frameworks.boundary import StepBoundary
-from checkpoints.progress import ProgressReporter
+from checkpoints.frameworks.lightning_jit import LAST_NAME, LightningJustInTimeSave, sharded_reason
+from checkpoints.jit import JIT_ENV
+from checkpoints.progress import PROGRESS_DIR_ENV, ProgressReporter
 from checkpoints.signals import EXIT_PREEMPTED
 
 __all__ = ["TESTED_WITH", "TidalCallback", "TidalEnvironment", "nodes_from_env"]
@@ -53,9 +65,6 @@ log = logging.getLogger(__name__)
 
 #: The versions this module is tested with (lower bounds in pyproject's test extras).
 TESTED_WITH = {"lightning": "2.6"}
-
-#: The name ``fit(ckpt_path="last")`` looks for in a ModelCheckpoint's directory.
-LAST_NAME = "last.ckpt"
 
 
 def nodes_from_env(environ: Mapping[str, str] | None = None) -> int:
@@ -143,9 +152,13 @@ class _Hooks:
         handle_sigterm: replace Lightning's SIGTERM handler with an agreed stop.
         exit_on_stop: after the stop's checkpoint, exit with ``EXIT_PREEMPTED``
             (False: set ``trainer.should_stop`` and let ``fit`` return).
-        dirpath: where the stop's ``last.ckpt`` goes (default: the first
-            ``ModelCheckpoint``'s directory, else ``<default_root_dir>/checkpoints``).
+        dirpath: where the stop's and the just-in-time save's ``last.ckpt`` goes
+            (default: the first ``ModelCheckpoint``'s directory, else
+            ``<default_root_dir>/checkpoints``).
         sigterm_grace_seconds: after SIGTERM, exit at once if still running this long.
+        jit_save: when ``fit`` fails in a collective (a peer died), write the last
+            completed step as ``last.ckpt`` (:mod:`checkpoints.frameworks.lightning_jit`).
+            ``TIDAL_JIT_SAVE=0`` in the environment turns it off too.
     """
 
     def __init__(
@@ -156,6 +169,7 @@ class _Hooks:
         exit_on_stop: bool = True,
         dirpath: str | os.PathLike[str] | None = None,
         sigterm_grace_seconds: float = 60.0,
+        jit_save: bool = True,
     ) -> None:
         self.boundary = StepBoundary(
             progress=progress, handle_sigterm=handle_sigterm,
@@ -164,6 +178,9 @@ class _Hooks:
         self._exit_on_stop = exit_on_stop
         self._dirpath = dirpath
         self._last_step = -1
+        self._jit_wanted = jit_save
+        #: The just-in-time save of this run (None: off, sharded, or not training).
+        self.jit: LightningJustInTimeSave | None = None
         #: The checkpoint written at the agreed stop, if any.
         self.stop_path: Path | None = None
 
@@ -194,6 +211,42 @@ class _Hooks:
         total = int(trainer.max_steps) if int(trainer.max_steps) > 0 else None
         self.boundary.begin(pl_module, total_steps=total, samples_per_step=per_step)
         self._last_step = int(trainer.global_step)
+        self._arm_jit(trainer)
+
+    def _arm_jit(self, trainer: Any) -> None:
+        self._disarm_jit()
+        if not self._jit_wanted or os.environ.get(JIT_ENV) == "0":
+            return
+        sharded = sharded_reason(trainer.strategy, trainer.optimizers)
+        if sharded is not None:
+            log.warning("no just-in-time save for this Trainer: %s (a failure costs the steps "
+                        "since its last checkpoint)", sharded)
+            return
+        progress_dir = os.environ.get(PROGRESS_DIR_ENV)
+        self.jit = LightningJustInTimeSave(
+            trainer=trainer, directory=self._stop_dir(trainer), rank=int(trainer.global_rank),
+            local_rank=int(trainer.local_rank),
+            progress_dir=Path(progress_dir) if progress_dir else None,
+        )
+        self.jit.arm()
+
+    def _disarm_jit(self) -> None:
+        if self.jit is not None:
+            self.jit.disarm()
+            self.jit = None
+
+    def save_after_failure(self, exc: BaseException) -> Path | None:
+        """The just-in-time save, if ``exc`` is a failed collective (``on_exception`` calls it).
+
+        Returns:
+            ``last.ckpt``'s path, or None (not a failed collective, off, or
+            nothing safe to save).
+        """
+        return self.jit.save_if_collective_failure(exc) if self.jit is not None else None
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """``fit`` failed: if a collective did (a peer died), save the last completed step."""
+        self.save_after_failure(exception)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -203,6 +256,8 @@ class _Hooks:
         if step == self._last_step:  # gradient accumulation: no optimizer step yet
             return
         self._last_step = step
+        if self.jit is not None:
+            self.jit.boundary(step)  # before any collective of ours can fail
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if not self.boundary.step_end(step, loss=loss):
             return
@@ -213,16 +268,25 @@ class _Hooks:
         self.boundary.finish_stop()
         log.warning("%s written at step %d on every rank after SIGTERM", path, step)
         if self._exit_on_stop:
+            self._disarm_jit()
             self.boundary.end()
             raise SystemExit(EXIT_PREEMPTED)
         trainer.should_stop = True
 
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """The parameters are about to change: the last completed step is no longer live."""
+        if self.jit is not None:
+            self.jit.mark_dirty()
+
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
-        """Report Lightning's own checkpoints to the agent too."""
+        """Report Lightning's own checkpoints to the agent too (not the just-in-time save's)."""
+        if self.jit is not None and self.jit.dumping:
+            return  # another thread's save, while the step in flight has failed
         self.boundary.saved(int(trainer.global_step))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Give SIGTERM back; write a last report (collective: drains the flags)."""
+        self._disarm_jit()
         self.boundary.end()
 
     def _stop_dir(self, trainer: Any) -> Path:

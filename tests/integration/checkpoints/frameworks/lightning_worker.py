@@ -3,7 +3,10 @@
 ``Trainer(strategy="ddp")`` on CPU without ``num_nodes``, as Lightning's docs
 write it, plus ``plugins=[TidalEnvironment()]`` and ``callbacks=[TidalCallback()]``.
 ``--sigterm-at STEP --sigterm-rank R`` makes rank R send itself SIGTERM after
-that step. ``fit(ckpt_path="last")`` resumes from the ModelCheckpoint directory.
+that step; ``--kill-at STEP --kill-rank R`` makes rank R SIGKILL itself as step
+STEP + 1 begins (a peer that dies mid-step: the others fail in that step's
+gradient all-reduce), and rank 0 writes its parameters after step STEP to
+``--snapshot``. ``fit(ckpt_path="last")`` resumes from the ModelCheckpoint directory.
 Every rank writes ``rank-<RANK>.json``: what Lightning saw (world size, nodes,
 the sampler's replicas), where it started and stopped; rank 0 writes the
 final parameters to ``--result``.
@@ -27,6 +30,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--sigterm-rank", type=int, default=0)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--snapshot", default="")
     parser.add_argument("--result", default="")
     args = parser.parse_args()
 
@@ -57,9 +63,16 @@ def main() -> None:
                         num_nodes=trainer.num_nodes, global_rank=trainer.global_rank,
                         replicas=trainer.train_dataloader.sampler.num_replicas)
 
-        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+        def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
+            if trainer.global_step == args.kill_at and rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
             if trainer.global_step == args.sigterm_at and rank == args.sigterm_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if trainer.global_step == args.kill_at and rank == 0 and args.snapshot:
+                torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
+                           args.snapshot)
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(32, 8, generator=g)
