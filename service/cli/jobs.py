@@ -6,6 +6,7 @@
                  [--workdir D] [--checkpoint-dir D] [--env K=V ...] [--label K=V ...]
                  [--max-restarts N] [--priority P] [--grace-period S]
                  [--global-batch-size B] [--lr-rule none|linear|sqrt]
+                 [--zygote-preload MOD[,MOD...] ...]
                  [--no-wait | --timeout S] [--no-logs] [-- COMMAND [ARG ...]]
     tidal jobs    [--phase P] [--limit N | --all] [--json]
     tidal status  JOB [--watch [--timeout S]] [--json]
@@ -105,6 +106,14 @@ def _pairs(values: Sequence[str], *, option: str, from_env: bool = False) -> dic
     return out
 
 
+def _modules(values: Sequence[str]) -> list[str]:
+    """``--zygote-preload`` values, each one module or a comma list, in order (blanks dropped).
+
+    The names are validated with the job spec, by the same rule as the coordinator's.
+    """
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
+
+
 MAX_JOB_FILE_BYTES = 1 << 20
 
 
@@ -168,6 +177,9 @@ def _job_file_fields(path: str, flags: dict[str, Any]) -> dict[str, Any]:
               help="Keep this many samples per step whatever the world size.")
 @click.option("--lr-rule", type=click.Choice(["none", "linear", "sqrt"]), default=None,
               help="Scale the learning rate with the world size by this rule.")
+@click.option("--zygote-preload", "zygote_preload", multiple=True, metavar="MOD[,MOD...]",
+              help="Modules the job's zygote imports after torch (e.g. transformers,lightning), "
+                   "so restarted and joining workers do not pay their import. Repeatable.")
 @click.option("--no-wait", is_flag=True,
               help="Print the job id (and on stderr how to follow, read and stop it) and "
                    "return at once instead of following the job.")
@@ -187,8 +199,8 @@ def submit_command(
     workdir: str | None, checkpoint_dir: str | None, env: tuple[str, ...],
     labels: tuple[str, ...], max_restarts: int | None, priority: int | None, queue: str | None,
     grace_period_s: float | None, global_batch_size: int | None, lr_rule: str | None,
-    no_wait: bool, timeout_s: float | None, no_logs: bool, command: tuple[str, ...],
-    as_json: bool,
+    zygote_preload: tuple[str, ...], no_wait: bool, timeout_s: float | None, no_logs: bool,
+    command: tuple[str, ...], as_json: bool,
     url: str | None, token: str | None, state_dir: Path | None,
 ) -> None:
     """Submit a job running COMMAND on every worker, then follow it to its end.
@@ -218,6 +230,7 @@ def submit_command(
         "grace_period_s": grace_period_s,
         "env": _pairs(env, option="--env", from_env=True) if env else None,
         "node_selector": _pairs(labels, option="--label") if labels else None,
+        "zygote_preload": _modules(zygote_preload) if zygote_preload else None,
     }
     policy = {"global_batch_size": global_batch_size, "lr_rule": lr_rule}
     if job_file is not None:

@@ -349,3 +349,19 @@ def test_resolve_target_takes_flags_then_environment_then_the_cluster_file(
     with pytest.raises(TargetError, match="is not valid"):
         resolve_target(None, None, state, environ={})
     assert resolve_target("http://flag:2", None, state, environ={}).cluster is None
+
+
+def test_submit_zygote_preload_passes_modules_through_and_a_bad_name_is_refused(
+    coordinator: Coordinator,
+) -> None:
+    env = coordinator.env()
+    job = ok(tidal("submit", "--no-wait", "--zygote-preload", "json",
+                   "--zygote-preload", "email.mime, collections", "--",
+                   sys.executable, "-c", "pass", env=env)).strip()
+    assert JOB_ID_RE.match(job), job
+    spec = coordinator.get(f"/v1/jobs/{job}")["spec"]
+    assert spec["zygote_preload"] == ["json", "email.mime", "collections"]
+    clean_error(tidal("submit", "--no-wait", "--zygote-preload", "json,x;rm -rf /", "--",
+                      sys.executable, "-c", "pass", env=env),
+                2, "zygote_preload[1] ('x;rm -rf /') is not a dotted Python module name")
+    ok(tidal("cancel", job, env=env))
