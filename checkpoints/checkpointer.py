@@ -267,7 +267,7 @@ class Checkpointer(LiveResizing):
             if stale:
                 log.info("removed %d unfinished save(s): %s", len(stale), ", ".join(stale))
             fence = self._store.read_fence()
-            chosen, state = choose(self._store, fence, sharded=self._sharded)
+            chosen, state = choose(self._store, fence, sharded=self._sharded, model=self._model)
             epoch = fence.epoch + 1
             try:
                 self._store.write_fence(Fence(epoch=epoch, step=chosen))

@@ -8,12 +8,24 @@ verifies is the one. Just-in-time saves (:mod:`checkpoints.jit`) take part; the
 chosen one gets its step's final name. Every rank then loads what rank 0 chose
 (:func:`load_chosen`). The :class:`~checkpoints.checkpointer.Checkpointer`
 broadcasts the choice and applies the state.
+
+A replicated checkpoint is read the way that costs least (:func:`read_replicated`;
+figures in docs/benchmarks.md, "Restore of a large checkpoint"): its CRC-32 is
+checked in place by parallel reads before anything of it is used, then it is
+loaded by name. For a model on an accelerator the load is memory-mapped: the
+tensors are views of the page cache, and ``load_state_dict`` copies them to the
+device, which is the only copy made; whatever ``load_state_dict`` might keep
+rather than copy (small tensors such as the optimizer's ``step``, the RNG states,
+the extras) is copied off the mapping first, so that nothing refers to the file
+once the restore is done. For a model on the CPU the optimizer would keep the
+loaded tensors themselves, so they are read into memory of their own instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +34,18 @@ import torch.distributed as dist
 
 from checkpoints import sharded as sharded_io
 from checkpoints.errors import CheckpointCorruptError, CheckpointError
-from checkpoints.state import load_replicated
+from checkpoints.state import STATE_FILE
 from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest
 
-__all__ = ["Resume", "choose", "load_chosen"]
+__all__ = [
+    "Resume",
+    "choose",
+    "copy_off_mapping",
+    "load_chosen",
+    "maps_to_device",
+    "read_replicated",
+    "torch_load_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +70,15 @@ class Resume:
 
 
 def choose(
-    store: CheckpointStore, fence: Fence, *, sharded: bool
+    store: CheckpointStore, fence: Fence, *, sharded: bool, model: torch.nn.Module | None = None
 ) -> tuple[int, dict[str, Any] | None]:
     """Rank 0: the newest checkpoint that verifies (and, if replicated, loads).
 
     Just-in-time candidates take part (:mod:`checkpoints.jit`); one that is
     chosen gets its step's final name, and the others are removed. A save
     the fence rules out (made after the last restore by a process of an
-    older epoch) is moved aside like a corrupt one.
+    older epoch) is moved aside like a corrupt one. ``model``: what the
+    state will be loaded into (see :func:`maps_to_device`).
 
     Returns:
         The chosen step and, for replicated state, its loaded tree; (-1, None)
@@ -76,7 +97,7 @@ def choose(
                     raise CheckpointCorruptError(path, None, "it is not a sharded checkpoint")
                 state = None
             else:
-                manifest, state = load_replicated(store, path)
+                manifest, state = read_replicated(store, path, mmap=maps_to_device(model))
             if fence.fences_out(step=manifest.step, epoch=manifest.epoch):
                 raise CheckpointCorruptError(path, None, _fenced(manifest.epoch, fence))
         except CheckpointCorruptError as exc:
@@ -122,11 +143,97 @@ def load_chosen(
             )
         if state is not None:
             return store.read_manifest(path), state
-        return load_replicated(store, path)
+        return read_replicated(store, path, mmap=maps_to_device(model))
     except CheckpointCorruptError as exc:
         raise CheckpointError(
             f"rank {rank} cannot load the checkpoint rank 0 chose: {exc}"
         ) from exc
+
+
+def maps_to_device(model: torch.nn.Module | None) -> bool:
+    """Whether a replicated checkpoint is loaded memory-mapped for ``model``.
+
+    True when every parameter of ``model`` is on an accelerator: then
+    ``load_state_dict`` copies the model's and the optimizer's tensors to it
+    and keeps none of the loaded ones, so they can stay views of the page cache.
+    """
+    params = list(model.parameters()) if model is not None else []
+    return bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
+
+
+def read_replicated(
+    store: CheckpointStore, path: Path, *, mmap: bool
+) -> tuple[Manifest, dict[str, Any]]:
+    """Verify and load a replicated checkpoint: its CRC-32 first, in place, then ``torch.load``.
+
+    Args:
+        store: the checkpoints.
+        path: the checkpoint.
+        mmap: load memory-mapped (for a model on an accelerator: see
+            :func:`maps_to_device`); the tensors under ``model`` and
+            ``optimizer`` of 1 MiB or more stay views of the file, every
+            other tensor is copied off it (:func:`copy_off_mapping`).
+
+    Raises:
+        CheckpointCorruptError: when anything about it is wrong, naming the file and why.
+    """
+    manifest = store.read_manifest(path)
+    if manifest.kind != "replicated":
+        raise CheckpointCorruptError(path, None, f"it is {manifest.kind}, not replicated")
+    with store.open_verified(path, manifest, STATE_FILE) as verified:
+        state = torch_load_file(verified, path=path, name=STATE_FILE, mmap=mmap)
+    if not isinstance(state, dict) or state.get("step") != manifest.step:
+        raise CheckpointCorruptError(path, STATE_FILE, "it does not hold the manifest's step")
+    if mmap:
+        state = copy_off_mapping(state)
+    return manifest, state
+
+
+def torch_load_file(file: Path, *, path: Path, name: str, mmap: bool) -> Any:
+    """``torch.load(weights_only=True)`` of a file, to the CPU; a refusal means a corrupt file.
+
+    The file-path twin of :func:`checkpoints.state.safe_torch_load` (which
+    takes bytes): the same errors are translated the same way.
+
+    Raises:
+        CheckpointCorruptError: naming the file and torch's reason.
+    """
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointCorruptError(
+            path, name, f"torch.load(weights_only=True) refused it: {reason}"
+        ) from exc
+
+
+#: Tensors of a memory-mapped load under these keys, at least this large, stay mapped.
+_COPIED_BY_LOAD = ("model", "optimizer")
+_MAPPED_BYTES = 1 << 20
+
+
+def copy_off_mapping(state: dict[str, Any]) -> dict[str, Any]:
+    """A memory-mapped tree with every tensor copied off the file but the model's and
+    optimizer's large ones (which ``load_state_dict`` copies to the device).
+
+    A view kept by anyone (the optimizer keeps its ``step`` tensors as they
+    are; the user keeps extras) would hold the whole file's mapping: a deleted
+    checkpoint's disk space would stay in use, and a file truncated later would
+    fault (SIGBUS) where it is read.
+    """
+
+    def own(value: Any, *, keep_large: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            if keep_large and value.nbytes >= _MAPPED_BYTES:
+                return value
+            return value.clone()
+        if isinstance(value, dict):
+            return {k: own(v, keep_large=keep_large) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(own(v, keep_large=keep_large) for v in value)
+        return value
+
+    return {k: own(v, keep_large=k in _COPIED_BY_LOAD) for k, v in state.items()}
 
 
 def _fenced(epoch: int, fence: Fence) -> str:

@@ -40,6 +40,7 @@ import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,44 @@ class CheckpointStore:
                 _check_content(path, name, entry, size=size, crc=crc)
         return manifest
 
+    @contextlib.contextmanager
+    def open_verified(self, path: Path, manifest: Manifest, name: str) -> Iterator[Path]:
+        """Open one file of a checkpoint, check its size and CRC-32, and yield a path to it.
+
+        The file is checked in place, by parallel reads (:func:`file_crc32`),
+        without holding it in memory; the caller then loads it from the path
+        yielded (``torch.load`` by name, memory-mapped or not). On Linux that
+        path names the descriptor opened here (``/proc/self/fd/N``), so what
+        is loaded is the very file that was checked even if a name is
+        replaced meanwhile. Checkpoint files are never written after their
+        commit: the checked bytes are the loaded bytes.
+
+        Raises:
+            CheckpointCorruptError: when the file is missing, or its size or CRC-32 is wrong.
+        """
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise CheckpointCorruptError(path, name, "the manifest does not list it")
+        try:
+            fd = os.open(path / name, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(path, name, "it is missing") from exc
+        except OSError as exc:
+            raise CheckpointCorruptError(path, name, f"it cannot be opened ({exc})") from exc
+        try:
+            pinned = Path(f"/proc/self/fd/{fd}")
+            if not pinned.exists():  # no procfs (macOS): the name itself
+                pinned = path / name
+            _check_length(path, name, entry, os.fstat(fd).st_size)  # before reading it all
+            try:
+                size, crc = file_crc32(pinned)
+            except OSError as exc:
+                raise CheckpointCorruptError(path, name, f"it cannot be read ({exc})") from exc
+            _check_content(path, name, entry, size=size, crc=crc)
+            yield pinned
+        finally:
+            os.close(fd)
+
     def read_verified(self, path: Path, manifest: Manifest, name: str) -> bytes:
         """Read one file of a checkpoint whole, checking it against the manifest on the way.
 
@@ -451,6 +490,10 @@ def _check_size(path: Path, name: str, entry: FileEntry) -> None:
         size = (path / name).stat().st_size
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(path, name, "it is missing") from exc
+    _check_length(path, name, entry, size)
+
+
+def _check_length(path: Path, name: str, entry: FileEntry, size: int) -> None:
     if size != entry.size:
         raise CheckpointCorruptError(
             path, name, f"it is {size} bytes but the manifest says {entry.size} (truncated?)"
@@ -458,10 +501,7 @@ def _check_size(path: Path, name: str, entry: FileEntry) -> None:
 
 
 def _check_content(path: Path, name: str, entry: FileEntry, *, size: int, crc: int) -> None:
-    if size != entry.size:
-        raise CheckpointCorruptError(
-            path, name, f"it is {size} bytes but the manifest says {entry.size} (truncated?)"
-        )
+    _check_length(path, name, entry, size)
     if crc != entry.crc32:
         raise CheckpointCorruptError(
             path, name, f"its CRC-32 is {crc:08x} but the manifest says {entry.crc32:08x}"
