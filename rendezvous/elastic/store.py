@@ -238,7 +238,10 @@ class EtcdV3Store(Store):
                 found, revision = self._read(keys)
                 if len(found) == len(fulls):
                     return [found[f] for f in fulls]
-                self._watch_until(set(fulls) - set(found), revision + 1, deadline)
+                # The watch's events carry the values: no second read once all came.
+                found.update(self._watch_until(set(fulls) - set(found), revision + 1, deadline))
+                if len(found) == len(fulls):
+                    return [found[f] for f in fulls]
             except DistStoreError as exc:
                 # etcd briefly unavailable: keep trying until the deadline.
                 if not isinstance(exc.__cause__, EtcdUnavailableError):
@@ -255,11 +258,17 @@ class EtcdV3Store(Store):
 
     def _watch_until(
         self, missing: builtins.set[str], start_revision: int, deadline: float
-    ) -> None:
-        """Block until every key in ``missing`` is put, or the deadline passes."""
+    ) -> dict[str, bytes]:
+        """Block until every key in ``missing`` is put, or the deadline passes.
+
+        Returns:
+            The keys of ``missing`` put since ``start_revision`` and not deleted
+            since, with their latest values (all of them unless the deadline passed).
+        """
+        got: dict[str, bytes] = {}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return
+            return got
         # Watch the keys waited for, not the whole store: one key exactly, several
         # by their longest common prefix.
         one = len(missing) == 1
@@ -277,15 +286,22 @@ class EtcdV3Store(Store):
         try:
             for batch in stream:
                 for event in batch.events:
+                    if event.key not in missing and event.key not in got:
+                        continue  # (another key under the watched prefix)
                     if event.kind == "put":
                         missing.discard(event.key)
+                        got[event.key] = event.value
+                    else:
+                        got.pop(event.key, None)
+                        missing.add(event.key)
                 if not missing:
-                    return
+                    return got
         except EtcdError as exc:
             raise DistStoreError(f"etcd-v3 store: watch failed: {exc}") from exc
         finally:
             timer.cancel()
             stream.cancel()
+        return got
 
 
 __all__ = ["DEFAULT_KEY_TTL_S", "DEFAULT_OUTAGE_GRACE_S", "EtcdV3Store", "LeaseCache",

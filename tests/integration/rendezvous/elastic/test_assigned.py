@@ -117,6 +117,40 @@ def test_a_killed_member_is_noticed_at_once_and_nobody_waits_for_its_lease(
     assert etcd_client.get(c_key) is not None, "the round waited for c's lease after all"
 
 
+def test_each_member_reads_its_rank_record_once_a_round(
+    make: Make, etcd_config: EtcdConfig, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The watch's thread, the round's waiter and the seat may each find the rank record
+    # unread at once: one read per member and round (#24: each read is ~400 bytes from
+    # etcd, for every member of every round). Three rounds: a, b and c in all three, d
+    # in the last two, e in the last. (Before: 7, 7, 7, 6, 4.)
+    reads: dict[str, int] = {}
+    real_get = EtcdClient.get
+    ranks = Keys(etcd_config.root).assigned_ranks_prefix(JOB)
+
+    def counting_get(self: EtcdClient, key: str, **kwargs: Any) -> Any:
+        if key.startswith(ranks):
+            reads[key] = reads.get(key, 0) + 1
+        return real_get(self, key, **kwargs)
+
+    monkeypatch.setattr(EtcdClient, "get", counting_get)
+    nodes = {"a", "b", "c"}
+    handlers = [make(n, expected=nodes, max_nodes=5) for n in sorted(nodes)]
+    assert {i.world_size for i in together(*handlers)} == {3}
+    for newcomer in ("d", "e"):  # a round for each
+        late = make(newcomer, max_nodes=5)
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(late.next_rendezvous)
+            wait_for(lambda: all(h.pending_change() for h in handlers), timeout=10,
+                     what=f"the members to see {newcomer} waiting")
+            infos = [*together(*handlers), joining.result(timeout=30)]
+        handlers.append(late)
+        assert {i.world_size for i in infos} == {len(handlers)}
+    key = Keys(etcd_config.root).assigned_rank
+    # (a newcomer also reads the round it finds, in case it is in it: a restarted runner)
+    assert [reads.get(key(JOB, n)) for n in "abcde"] == [3, 3, 3, 3, 2], reads
+
+
 def test_a_newcomer_restarts_the_round_and_the_old_ranks_stay(make: Make) -> None:
     a, b = make("a", expected={"a", "b"}), make("b", expected={"a", "b"})
     before = {h: i.rank for h, i in zip((a, b), together(a, b), strict=True)}

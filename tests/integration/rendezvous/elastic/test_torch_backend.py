@@ -175,6 +175,32 @@ def test_store_get_waits_until_another_thread_sets_the_key(store):
         timer.cancel()
 
 
+def test_store_multi_get_waits_on_one_watch_and_takes_the_values_from_its_events(store):
+    # Two keys put together by another thread while the reader waits: one read before
+    # the wait, none after it (the events carry the values), the latest value of each.
+    reads = []
+    real_read = store._read
+
+    def counting_read(keys):
+        reads.append(list(keys))
+        return real_read(keys)
+
+    store._read = counting_read
+
+    def put_them():
+        store.set("MASTER_ADDR", "stale")
+        store.delete_key("MASTER_ADDR")
+        store.multi_set(["MASTER_ADDR", "MASTER_PORT"], ["10.0.0.1", "29500"])
+
+    timer = threading.Timer(0.3, put_them)
+    timer.start()
+    try:
+        assert store.multi_get(["MASTER_ADDR", "MASTER_PORT"]) == [b"10.0.0.1", b"29500"]
+    finally:
+        timer.cancel()
+    assert len(reads) == 1
+
+
 def test_store_wait_times_out_with_an_error_naming_the_missing_key(store):
     store.set("present", "1")
     started = time.monotonic()
