@@ -76,6 +76,18 @@ bench-scale: setup
 	flock /tmp/tidal-quiet.lock $(PY) -m tests.bench.scale_counts --nodes $(SCALE_NODES) \
 		--procs $(SCALE_PROCS) --out build/bench-scale.json
 
+# torchft for the churn benchmark's torchft arms (tests/bench/bench_churn.py, issue #25), not
+# a tidal dependency: the torchft-nightly wheel without its dependencies (torch is the venv's),
+# and the OpenTelemetry packages it imports, into build/torchft-site (on sys.path only in
+# tests/bench/churn_torchft.py's processes).
+.PHONY: torchft-site
+TORCHFT_SITE ?= build/torchft-site
+torchft-site: setup
+	$(PY) -m pip install --target $(TORCHFT_SITE) --upgrade --no-deps torchft-nightly
+	$(PY) -m pip install --target $(TORCHFT_SITE) --upgrade 'opentelemetry-api>=1.39' \
+		'opentelemetry-sdk>=1.39' 'opentelemetry-exporter-otlp-proto-http>=1.39'
+	! ls $(TORCHFT_SITE) | grep -qx torch
+
 # The chaos soak for longer than `make test` runs it (each kind of fault once): random
 # kills and stops while a job trains; prints the counts, saved to build/chaos-report.json
 # (`python -m tests.chaos.report build/chaos-report.json` prints them again).

@@ -4,8 +4,8 @@ Run with
 ``.venv/bin/python -m pytest tests/bench/bench_churn.py -m bench -s``
 (``BENCH_CHURN_SECONDS`` the measured window per variant, 600 by default as
 in issue 15; ``BENCH_CHURN_PERIOD`` the churn period, 30 s;
-``BENCH_CHURN_VARIANTS``, a comma-separated choice of ``jit``, ``nojit`` and
-``live``, ``jit,nojit`` by default).
+``BENCH_CHURN_VARIANTS``, a comma-separated choice of ``jit``, ``nojit``,
+``live``, ``torchft5`` and ``torchft3``, ``jit,nojit`` by default).
 
 One job of ``examples/mlp.py`` (the checkpoints library, DDP over gloo, a
 periodic checkpoint every 100 steps, one step paced at 0.1 s) on three
@@ -25,26 +25,55 @@ the next kill. The last join is at least a quarter period before the window
 ends, so the job is training again at its end.
 
 Variants: ``jit``, the just-in-time save on; ``nojit``, off with
-``TIDAL_JIT_SAVE=0`` in the job's environment; ``live``, issue 16's "both
-changes in": the save on and the script run with ``--live-resize``, so that
-the fresh node's join is taken on the live path (the survivors re-form their
-process group without restarting) while a kill still takes the restart path
-with the just-in-time save. Reported, per variant:
+``TIDAL_JIT_SAVE=0`` in the job's environment (both: every kill and join
+restarts the survivors' workers); ``live``, the save on and the script run
+with ``--live-resize``: the fresh node's join is taken on the live path (the
+survivors re-form their process group without restarting) and, since issue
+25, so is the kill: the survivors' runners tell their workers a member is
+lost, the workers discard the step in flight and re-form the group in place
+(the restart path only as a fallback, which the report would show).
 
-* **goodput**: steps the churned job advanced over the window / steps the
-  reference advanced over the same window;
-* **steps lost per kill**: the last step completed before the kill minus the
-  step the survivors resumed from;
+``torchft5`` and ``torchft3``: the same model, data, pace and churn under
+torchft instead of tidal (tests/bench/churn_torchft.py: three replica groups
+of one process, ``Manager`` + its ``DistributedDataParallel`` over
+``ProcessGroupGloo``, min 1 replica, its ``LighthouseServer`` on 127.0.0.1
+with a heartbeat timeout of 5 s, torchft's default, or 3 s); a kill SIGKILLs
+the oldest replica, a join lets a spare replica (started a period early and
+ready, as the spare agent) join the quorum. Beside it, the same torchrun
+reference. torchft is no tidal dependency: ``make torchft-site`` installs it
+into build/torchft-site (``BENCH_TORCHFT_SITE`` another folder); without it
+these variants are skipped with a note.
+
+Reported, per variant:
+
+* **goodput**: steps the churned job advanced (torchft: committed) over the
+  window / steps the reference advanced over the same window;
+* **undisturbed pace**: the same ratio over the 15 s before the window, no
+  churn yet: what the system costs a step in steady state (part of goodput,
+  apart from the churn's own cost);
+* **each kill**: the path the survivors took (``in place``: they kept their
+  processes; ``restart``: their workers were restarted), the steps lost (the
+  last step completed before the kill minus the step the survivors went on
+  from; torchft never goes back, its failed steps are not committed), and the
+  training pause (the longest gap between two consecutive new steps of the
+  job, from the last step before the kill to the third step after it);
 * **where each kill's seconds go** (medians over kills, from the runners' and
-  workers' logs): *notice* (kill to the survivors' runner stopping its broken
-  group), *save* (the runner's wait for just-in-time saves), *rendezvous*
-  (until the last survivor's new round), *start-up* (until the first step
-  after the kill), *redo* (steps lost x the mean step time);
-* **each join**: the path the survivors' runners took (live, or a restart),
-  the training pause (the longest gap between two consecutive new steps of
-  the job from the last step before the fresh node was given the job to the
-  third step at world size 3), and the runner's own figure for a live resize
-  (from seeing the joiner to every worker resized).
+  workers' logs). Restart path: *notice* (kill to the survivors' runner
+  stopping its broken group), *save* (the runner's wait for just-in-time
+  saves), *rendezvous* (until the last survivor's new round), *start-up*
+  (until the first step after the kill), *redo* (steps lost x the mean step
+  time). In place: *notice* (kill to the first survivor's runner resizing in
+  place), *runner* (the runners' own figure, notice to every worker resized,
+  the worst survivor), *worker* (the workers' own figure for the recovery,
+  failed collective to on_resize done, the worst), *first step* (the last
+  worker recovered to the job's next new step). torchft: *quorum* (kill to the
+  first survivor reconfiguring for a new quorum), *first step* (to the job's
+  next new step), *failed commits* (steps the survivors did not commit);
+* **each join**: the path the survivors' runners took (live, or a restart;
+  torchft: a new quorum), the training pause (the longest gap between two
+  consecutive new steps of the job from the last step before the fresh node
+  was given the job to the third step at the full size), and the runner's own
+  figure for a live resize (from seeing the joiner to every worker resized).
 
 No assertion is made on time or goodput.
 """
@@ -56,9 +85,11 @@ import itertools
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,19 +101,29 @@ from tests.bench.bench_recovery import MARKER, _no_leftovers, _stamp
 from tests.support.agents import AgentCluster, assign, unassign
 from tests.support.processes import ProcessGroupRegistry
 
-MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "examples" / "mlp.py"
+TORCHFT_SITE = Path(os.environ.get("BENCH_TORCHFT_SITE", ROOT / "build" / "torchft-site"))
 WINDOW_S = float(os.environ.get("BENCH_CHURN_SECONDS", "600"))
 PERIOD_S = float(os.environ.get("BENCH_CHURN_PERIOD", "30"))
 STEP_SECONDS = 0.1
 EVERY_STEPS = 100
 START_DEADLINE_S = 180.0
+PACE_S = 15.0  # undisturbed, before the window: each job's own pace against the reference's
 ARGS = ["--total-steps", str(10**7), "--every-steps", str(EVERY_STEPS),
         "--step-seconds", str(STEP_SECONDS), "--dataset-size", "4096"]
 _STEP = re.compile(r"rank \d+ world_size (\d+) step (\d+) loss")
 _START = re.compile(r"start at step (\d+) ")
 _LIVE_DONE = re.compile(r"resized into round \d+ live in ([\d.]+) s")
 _RESTARTED = ("restarting the group", "did not complete")
-PAUSE_STEPS = 3  # a join's pause ends at the third step at the full size
+# The in-place recovery of a kill (issue 25): the runner's notice and figure, the worker's.
+_IN_PLACE_RUNNER = "(in place: the survivors keep their processes)"
+_IN_PLACE_WORKER = re.compile(r"recovered in place at step (\d+): .* in ([\d.]+) s ")
+_KILL_RESTARTED = ("did not complete", "restarting without them", "stopping the broken worker")
+# torchft's replicas (tests/bench/churn_torchft.py) and its manager's own lines.
+_TFT_STEP = re.compile(r"replica (\d+) step (\d+) committed (True|False) participants (\d+)")
+_TFT_QUORUM = "reconfiguring for quorum_id="
+PAUSE_STEPS = 3  # a pause ends at the third new step (a join's: at the full size)
 
 
 @dataclasses.dataclass
@@ -105,28 +146,59 @@ def read_lines(paths: list[tuple[str, Path]]) -> list[Line]:
     return sorted(lines, key=lambda line: line.time)
 
 
+def sized_steps(lines: list[Line]) -> list[tuple[float, int, int]]:
+    """(time, completed steps, world size) of every step line (torchft: committed steps,
+    participants, of every committed step)."""
+    out = []
+    for ln in lines:
+        if m := _STEP.search(ln.text):
+            out.append((ln.time, int(m.group(2)) + 1, int(m.group(1))))
+        elif (m := _TFT_STEP.search(ln.text)) and m.group(3) == "True":
+            out.append((ln.time, int(m.group(2)), int(m.group(4))))
+    return out
+
+
 def steps_of(lines: list[Line]) -> list[tuple[float, int]]:
     """(time, completed steps) of every step line."""
-    return [(ln.time, int(m.group(2)) + 1) for ln in lines if (m := _STEP.search(ln.text))]
-
-
-def sized_steps(lines: list[Line]) -> list[tuple[float, int, int]]:
-    """(time, completed steps, world size) of every step line."""
-    return [(ln.time, int(m.group(2)) + 1, int(m.group(1)))
-            for ln in lines if (m := _STEP.search(ln.text))]
+    return [(t, s) for t, s, _ in sized_steps(lines)]
 
 
 def frontier(steps: list[tuple[float, int]], at: float) -> int:
-    """The step count of the newest step line at or before ``at`` (0 if none)."""
-    before = [s for t, s in steps if t <= at]
-    return before[-1] if before else 0
+    """The most steps any line at or before ``at`` says were complete (0 if none)."""
+    return max((s for t, s in steps if t <= at), default=0)
+
+
+def new_steps(lines: list[Line]) -> list[tuple[float, int, int]]:
+    """The job's new steps (the first line of each step number), in time order."""
+    firsts: list[tuple[float, int, int]] = []
+    top = 0
+    for t, step, size in sized_steps(lines):
+        if step > top:
+            firsts.append((t, step, size))
+            top = step
+    return firsts
+
+
+def longest_gap(firsts: list[tuple[float, int, int]], at: float, until: float,
+                size: int | None = None) -> float | None:
+    """The longest gap between two consecutive new steps from the last one at or before
+    ``at`` to the :data:`PAUSE_STEPS`-th after it (of world size ``size``, if given)."""
+    before = [s for s in firsts if s[0] <= at]
+    after = [s for s in firsts if at < s[0] < until and (size is None or s[2] == size)]
+    after = after[:PAUSE_STEPS]
+    if not before or len(after) < PAUSE_STEPS:
+        return None
+    window = [s for s in firsts if before[-1][0] <= s[0] <= after[-1][0]]
+    return max(b[0] - a[0] for a, b in itertools.pairwise(window))
 
 
 @dataclasses.dataclass
 class Kill:
     at: float
     victim: str
+    path: str | None = None  # "in place" or "restart", from the survivors' logs
     lost: int | None = None
+    pause: float | None = None  # the longest gap between new steps around the kill
     parts: dict[str, float] = dataclasses.field(default_factory=dict)
     joined_at: float | None = None  # when the fresh node was given the job
     join_path: str | None = None  # "live" or "restart", from the survivors' runners
@@ -140,18 +212,56 @@ class Variant:
     goodput: float | None = None
     kept: int = 0
     reference: int = 0
+    pace: float | None = None  # undisturbed steps / the reference's, before the window
     kills: list[Kill] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def analyse_kill(kill: Kill, worker: list[Line], runner: list[Line], survivors: set[str],
                  step_s: float, until: float) -> None:
-    """Steps lost and where the seconds went, for one kill (None: no restart before ``until``,
-    the next kill or the window's end)."""
+    """The path, steps lost and where the seconds went, for one kill of the tidal job
+    (nothing: no recovery before ``until``, the join, the next kill or the window's end)."""
+    kill.pause = longest_gap(new_steps(worker), kill.at, until)
+    texts = [ln.text for ln in runner if kill.at < ln.time < until and ln.node in survivors]
+    in_place = any(_IN_PLACE_RUNNER in t for t in texts)
+    if in_place and not any(r in t for t in texts for r in _KILL_RESTARTED):
+        analyse_in_place(kill, worker, runner, survivors, until)
+    else:
+        analyse_restart(kill, worker, runner, survivors, step_s, until)
+
+
+def analyse_in_place(kill: Kill, worker: list[Line], runner: list[Line], survivors: set[str],
+                     until: float) -> None:
+    """A kill the survivors recovered from in place: their workers kept their processes."""
+    ours = [ln for ln in worker if kill.at < ln.time < until and ln.node in survivors]
+    recovered = [(ln, m) for ln in ours if (m := _IN_PLACE_WORKER.search(ln.text))]
+    if not recovered:
+        return
+    kill.path = "in place"
+    resumed = min(int(m.group(1)) for _, m in recovered)
+    done = steps_of([ln for ln in worker if ln.time < recovered[0][0].time])
+    kill.lost = max(s for _, s in done) - resumed if done else None
+    notices = [ln.time for ln in runner if kill.at < ln.time < until
+               and ln.node in survivors and _IN_PLACE_RUNNER in ln.text]
+    figures = [float(m.group(1)) for ln in runner if kill.at < ln.time < until
+               and ln.node in survivors and (m := _LIVE_DONE.search(ln.text))]
+    last = max(ln.time for ln, _ in recovered)
+    first_step = next((t for t, _, _ in new_steps(worker) if t > last), None)
+    kill.parts = {"notice": min(notices) - kill.at,
+                  "runner": max(figures, default=float("nan")),
+                  "worker": max(float(m.group(2)) for _, m in recovered)}
+    if first_step is not None:
+        kill.parts["first step"] = first_step - last
+
+
+def analyse_restart(kill: Kill, worker: list[Line], runner: list[Line], survivors: set[str],
+                    step_s: float, until: float) -> None:
+    """A kill that restarted the survivors' workers: from their new start."""
     after = [ln for ln in worker if kill.at < ln.time < until and ln.node in survivors]
     start = next((ln for ln in after if _START.search(ln.text)), None)
     if start is None:
         return
+    kill.path = "restart"
     before = [s for t, s in steps_of([ln for ln in worker if ln.time < start.time])]
     resumed = int(_START.search(start.text).group(1))  # type: ignore[union-attr]
     kill.lost = max(before) - resumed if before else None
@@ -188,19 +298,105 @@ def analyse_join(kill: Kill, worker: list[Line], runner: list[Line], until: floa
         kill.join_path = "restart"
     elif done:
         kill.join_path, kill.live_s = "live", max(done)
-    # The job's new steps (the first line of each step number), in time order.
-    firsts: list[tuple[float, int, int]] = []
-    top = 0
-    for t, step, size in sized_steps(worker):
-        if step > top:
-            firsts.append((t, step, size))
-            top = step
-    before = [s for s in firsts if s[0] <= at]
-    after = [s for s in firsts if s[0] > at and s[2] == full and s[0] < until][:PAUSE_STEPS]
-    if not before or len(after) < PAUSE_STEPS:
-        return
-    window = [s for s in firsts if before[-1][0] <= s[0] <= after[-1][0]]
-    kill.join_pause = max(b[0] - a[0] for a, b in itertools.pairwise(window))
+    kill.join_pause = longest_gap(new_steps(worker), at, until, size=full)
+
+
+def analyse_torchft(kill: Kill, lines: list[Line], survivors: set[str], until: float,
+                    full: int) -> None:
+    """A kill and the join after it in the torchft job: its survivors keep their
+    processes by design; failed commits are steps not taken, none is undone."""
+    firsts = new_steps(lines)
+    end = kill.joined_at or until
+    kill.pause = longest_gap(firsts, kill.at, end)
+    ours = [ln for ln in lines if kill.at < ln.time < end and ln.node in survivors]
+    quorum = next((ln.time for ln in ours if _TFT_QUORUM in ln.text), None)
+    if quorum is not None:
+        kill.path, kill.lost = "in place", 0
+        first_step = next((t for t, _, _ in firsts if t > quorum), None)
+        failed = sum(1 for ln in ours if (m := _TFT_STEP.search(ln.text))
+                     and m.group(3) == "False")
+        kill.parts = {"quorum": quorum - kill.at, "failed commits": float(failed)}
+        if first_step is not None:
+            kill.parts["first step"] = first_step - quorum
+    if kill.joined_at is not None:
+        joined = [ln for ln in lines if kill.joined_at < ln.time < until]
+        if any(_TFT_QUORUM in ln.text for ln in joined):
+            kill.join_path = "live"
+        kill.join_pause = longest_gap(firsts, kill.joined_at, until, size=full)
+
+
+def spawn_reference(procs: ProcessGroupRegistry, workdir: Path) -> Path:
+    """The undisturbed torchrun job at world size 3; returns its log."""
+    ref_log = workdir / "reference.log"
+    procs.spawn(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+         str(MLP), "--checkpoint-dir", str(workdir / "ref-ckpt"), *ARGS],
+        log_path=ref_log, env=dict(os.environ, OMP_NUM_THREADS="1", TIDAL_JIT_SAVE="0"),
+    )
+    return ref_log
+
+
+@dataclasses.dataclass
+class Churn:
+    """How one system is churned: the bench's clock calls these."""
+    kill_oldest: Callable[[], str]  # SIGKILL the oldest member; returns its name
+    spare_ready: Callable[[], bool]  # the spare has imported torch and can join
+    join_spare: Callable[[], None]  # give the spare the job, start the next spare
+
+
+def churn(out: Variant, c: Churn, t0: float) -> float:
+    """A kill a quarter into each period, a join half a period later, until the window
+    ends; returns the window's end."""
+    kill_at = t0 + PERIOD_S / 4
+    while kill_at < t0 + WINDOW_S - 3 * PERIOD_S / 4:
+        time.sleep(max(0.0, kill_at - time.time()))
+        at = time.time()
+        out.kills.append(Kill(at=at, victim=c.kill_oldest()))
+        time.sleep(max(0.0, kill_at + PERIOD_S / 2 - time.time()))
+        ready_by = kill_at + PERIOD_S
+        while not c.spare_ready() and time.time() < ready_by:
+            time.sleep(0.2)
+        c.join_spare()
+        out.kills[-1].joined_at = time.time()
+        kill_at += PERIOD_S
+    time.sleep(max(0.0, t0 + WINDOW_S - time.time()))
+    return time.time()
+
+
+def wait_training(out: Variant, ready: Callable[[], bool]) -> bool:
+    """Wait until ``ready`` (both jobs train, the spare is up), bounded."""
+    give_up = time.monotonic() + START_DEADLINE_S
+    while not ready():
+        if time.monotonic() > give_up:
+            out.notes.append("the jobs never both trained")
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def measure_pace(out: Variant, steps: Callable[[], list[tuple[float, int]]],
+                 ref_log: Path) -> float:
+    """:data:`PACE_S` undisturbed: the job's steps over the reference's (its steady cost,
+    apart from the churn's). Returns when the window may start."""
+    start = time.time()
+    time.sleep(PACE_S)
+    end = time.time()
+    ref = steps_of(read_lines([("ref", ref_log)]))
+    mine = steps()
+    done = frontier(ref, end) - frontier(ref, start)
+    out.pace = (frontier(mine, end) - frontier(mine, start)) / done if done else None
+    return end
+
+
+def count_goodput(out: Variant, steps: list[tuple[float, int]], ref_log: Path, t0: float,
+                  t_end: float) -> float:
+    """Goodput over [t0, t_end]; returns the reference's median step time."""
+    ref = steps_of(read_lines([("ref", ref_log)]))
+    out.kept = frontier(steps, t_end) - frontier(steps, t0)
+    out.reference = frontier(ref, t_end) - frontier(ref, t0)
+    out.goodput = out.kept / out.reference if out.reference else None
+    intervals = [b[0] - a[0] for a, b in itertools.pairwise(ref) if b[1] == a[1] + 1]
+    return statistics.median(intervals) if intervals else STEP_SECONDS
 
 
 def _warm(workdir: Path, node: str) -> bool:
@@ -226,21 +422,15 @@ def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: Et
                  *(["--live-resize"] if live_resize else [])],
         cwd=str(workdir), min_nodes=1, max_nodes=3, max_restarts=3, grace_period_s=10, env=env,
     )
-    ref_log = workdir / "reference.log"
     try:
-        procs.spawn(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-             str(MLP), "--checkpoint-dir", str(workdir / "ref-ckpt"), *ARGS],
-            log_path=ref_log, env=dict(os.environ, OMP_NUM_THREADS="1", TIDAL_JIT_SAVE="0"),
-        )
+        ref_log = spawn_reference(procs, workdir)
         live = ["n0", "n1", "n2"]
         for node in live:
             cluster.start_agent(node)
         for node in live:
             assign(client, node, job)
-        fresh = len(live)
-        spare = f"n{fresh}"
-        fresh += 1
+        spares = (f"n{i}" for i in itertools.count(len(live)))
+        spare = next(spares)
         cluster.start_agent(spare)
 
         def worker_logs() -> list[tuple[str, Path]]:
@@ -250,47 +440,31 @@ def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: Et
         def runner_logs() -> list[tuple[str, Path]]:
             return [(n, p) for n in cluster.agents for p in (workdir / n).rglob("runner*.log")]
 
-        give_up = time.monotonic() + START_DEADLINE_S
-        while True:
-            sizes = {int(m.group(1)) for ln in read_lines(worker_logs())[-30:]
-                     if (m := _STEP.search(ln.text))}
+        def training() -> bool:
+            sizes = {s for _, _, s in sized_steps(read_lines(worker_logs())[-30:])}
             ref_going = bool(steps_of(read_lines([("ref", ref_log)])[-5:]))
-            if 3 in sizes and ref_going and _warm(workdir, spare):
-                break
-            if time.monotonic() > give_up:
-                out.notes.append("the jobs never both trained")
-                return out
-            time.sleep(0.5)
-        t0 = time.time()
-        kill_at = t0 + PERIOD_S / 4
-        while kill_at < t0 + WINDOW_S - 3 * PERIOD_S / 4:
-            time.sleep(max(0.0, kill_at - time.time()))
+            return 3 in sizes and ref_going and _warm(workdir, spare)
+
+        def kill_oldest() -> str:
             victim = live.pop(0)
-            out.kills.append(Kill(at=time.time(), victim=victim))
             cluster.kill_agent(victim)
             unassign(client, victim, job.job_id)
-            time.sleep(max(0.0, kill_at + PERIOD_S / 2 - time.time()))
-            ready_by = kill_at + PERIOD_S
-            while not _warm(workdir, spare) and time.time() < ready_by:
-                time.sleep(0.2)
+            return victim
+
+        def join_spare() -> None:
+            nonlocal spare
             assign(client, spare, job)
-            out.kills[-1].joined_at = time.time()
             live.append(spare)
-            spare = f"n{fresh}"
-            fresh += 1
+            spare = next(spares)
             cluster.start_agent(spare)
-            kill_at += PERIOD_S
-        time.sleep(max(0.0, t0 + WINDOW_S - time.time()))
-        t_end = time.time()
+
+        if not wait_training(out, training):
+            return out
+        t0 = measure_pace(out, lambda: steps_of(read_lines(worker_logs())), ref_log)
+        t_end = churn(out, Churn(kill_oldest, lambda: _warm(workdir, spare), join_spare), t0)
         worker = read_lines(worker_logs())
         runner = read_lines(runner_logs())
-        steps = steps_of(worker)
-        ref = steps_of(read_lines([("ref", ref_log)]))
-        out.kept = frontier(steps, t_end) - frontier(steps, t0)
-        out.reference = frontier(ref, t_end) - frontier(ref, t0)
-        out.goodput = out.kept / out.reference if out.reference else None
-        intervals = [b[0] - a[0] for a, b in itertools.pairwise(ref) if b[1] == a[1] + 1]
-        step_s = statistics.median(intervals) if intervals else STEP_SECONDS
+        step_s = count_goodput(out, steps_of(worker), ref_log, t0, t_end)
         for index, kill in enumerate(out.kills):
             survivors = set(cluster.agents) - {k.victim for k in out.kills[: index + 1]}
             until = out.kills[index + 1].at if index + 1 < len(out.kills) else t_end
@@ -304,37 +478,130 @@ def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: Et
     return out
 
 
+def run_torchft(name: str, heartbeat_ms: int, workdir: Path) -> Variant:
+    """The same churn on the same model under torchft (tests/bench/churn_torchft.py)."""
+    out = Variant(name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessGroupRegistry()
+    module = [sys.executable, "-m", "tests.bench.churn_torchft", "--site", str(TORCHFT_SITE)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    replicas: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        ref_log = spawn_reference(procs, workdir)
+        address_file = workdir / "lighthouse.address"
+        procs.spawn([*module, "lighthouse", "--address-file", str(address_file),
+                     "--heartbeat-timeout-ms", str(heartbeat_ms)],
+                    log_path=workdir / "lighthouse.log", env=env, cwd=ROOT)
+        give_up = time.monotonic() + 60
+        while not address_file.exists():
+            if time.monotonic() > give_up:
+                out.notes.append("the lighthouse never said its address")
+                return out
+            time.sleep(0.1)
+        address = address_file.read_text().strip()
+
+        def start(index: int) -> str:
+            replica = f"r{index}"
+            replicas[replica] = procs.spawn(
+                [*module, "replica", "--lighthouse", address, "--replica", str(index),
+                 "--ready-file", str(workdir / f"{replica}.ready"),
+                 "--go-file", str(workdir / f"{replica}.go"),
+                 "--step-seconds", str(STEP_SECONDS)],
+                log_path=workdir / f"{replica}.log", env=env, cwd=ROOT)
+            return replica
+
+        live = [start(i) for i in range(3)]
+        for replica in live:
+            (workdir / f"{replica}.go").touch()
+        spares = itertools.count(len(live))
+        spare = start(next(spares))
+
+        def logs() -> list[tuple[str, Path]]:
+            return [(r, workdir / f"{r}.log") for r in replicas]
+
+        def training() -> bool:
+            sizes = {s for _, _, s in sized_steps(read_lines(logs())[-60:])}
+            ref_going = bool(steps_of(read_lines([("ref", ref_log)])[-5:]))
+            return 3 in sizes and ref_going and (workdir / f"{spare}.ready").exists()
+
+        def kill_oldest() -> str:
+            victim = live.pop(0)
+            procs.kill_group(replicas[victim])
+            return victim
+
+        def join_spare() -> None:
+            nonlocal spare
+            (workdir / f"{spare}.go").touch()
+            live.append(spare)
+            spare = start(next(spares))
+
+        if not wait_training(out, training):
+            return out
+        t0 = measure_pace(out, lambda: steps_of(read_lines(logs())), ref_log)
+        t_end = churn(out, Churn(kill_oldest, lambda: (workdir / f"{spare}.ready").exists(),
+                                 join_spare), t0)
+        lines = read_lines(logs())
+        count_goodput(out, steps_of(lines), ref_log, t0, t_end)
+        for index, kill in enumerate(out.kills):
+            survivors = set(replicas) - {k.victim for k in out.kills[: index + 1]}
+            until = out.kills[index + 1].at if index + 1 < len(out.kills) else t_end
+            analyse_torchft(kill, lines, survivors, until, full=3)
+    finally:
+        procs.stop_all()
+    return out
+
+
+def _med_worst(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} / {max(values):.2f}" if values else "-"
+
+
 def report(variants: list[Variant], load: tuple[float, float]) -> str:
-    keys = ("notice", "save", "rendezvous", "start-up", "redo")
     lines = [
         f"window {WINDOW_S:g} s per variant, a kill and a fresh node every {PERIOD_S:g} s, "
         f"every_steps={EVERY_STEPS}, step paced at {STEP_SECONDS} s; {os.cpu_count()} cores, "
         f"1-min load {load[0]:.1f} at the start, {load[1]:.1f} at the end",
         "",
-        "| variant | goodput | steps kept / reference | kills | steps lost per kill "
-        "(median / worst) | " + " | ".join(f"{k} median (s)" for k in keys)
-        + " | joins live / all | join pause median / worst (s) |",
-        "|---|---|---|---|---|" + "---|" * len(keys) + "---|---|",
+        "| variant | goodput | steps kept / reference | undisturbed pace | kills "
+        "| kills in place / restarted "
+        "| steps lost per kill (median / worst) | kill pause median / worst (s) "
+        "| joins live / all | join pause median / worst (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in variants:
         lost = [k.lost for k in v.kills if k.lost is not None]
-        parts = [k.parts for k in v.kills if k.parts]
-        pauses = [k.join_pause for k in v.kills if k.join_pause is not None]
         cells = [
             v.name,
             f"{100 * v.goodput:.1f}%" if v.goodput is not None else "-",
             f"{v.kept} / {v.reference}",
+            f"{100 * v.pace:.1f}%" if v.pace is not None else "-",
             str(len(v.kills)),
+            f"{sum(k.path == 'in place' for k in v.kills)} / "
+            f"{sum(k.path == 'restart' for k in v.kills)}",
             f"{statistics.median(lost):g} / {max(lost)}" if lost else "-",
-            *[f"{statistics.median(p[k] for p in parts):.2f}" if parts else "-" for k in keys],
+            _med_worst([k.pause for k in v.kills if k.pause is not None]),
             f"{sum(k.join_path == 'live' for k in v.kills)} / "
             f"{sum(k.joined_at is not None for k in v.kills)}",
-            f"{statistics.median(pauses):.2f} / {max(pauses):.2f}" if pauses else "-",
+            _med_worst([k.join_pause for k in v.kills if k.join_pause is not None]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| variant | kill path | kills | where a kill's seconds go (medians, s) |",
+              "|---|---|---|---|"]
+    for v in variants:
+        for path in ("in place", "restart"):
+            parts = [k.parts for k in v.kills if k.path == path and k.parts]
+            if not parts:
+                continue
+            keys = list(dict.fromkeys(key for p in parts for key in p))
+            medians = ", ".join(
+                f"{key} {statistics.median(p[key] for p in parts if key in p):.2f}"
+                for key in keys)
+            lines.append(f"| {v.name} | {path} | {len(parts)} | {medians} |")
+    lines.append("")
     for v in variants:
         lines += [f"{v.name}: kill {i + 1} at +{k.at - v.kills[0].at:.0f} s: "
-                  + ("no restart before the next kill" if k.lost is None else f"lost {k.lost}, ")
+                  + (f"path {k.path}, lost {k.lost}, pause "
+                     + ("-" if k.pause is None else f"{k.pause:.2f} s") + "; "
+                     if k.path else "no recovery seen before the join; ")
                   + ", ".join(f"{n} {s:.2f}" for n, s in k.parts.items())
                   + f"; join +{(k.joined_at or k.at) - k.at:.1f} s after the kill: "
                   + f"path {k.join_path or '-'}, pause "
@@ -358,14 +625,30 @@ def test_bench_goodput_under_churn(
     variants = []
     # name -> (label, just-in-time save, --live-resize)
     known = {"jit": ("JIT save on", True, False), "nojit": ("JIT save off", False, False),
-             "live": ("JIT save on + live joins", True, True)}
-    for name, (label, jit, live_resize) in known.items():
-        if name not in wanted:
-            continue
+             "live": ("JIT save on + live (joins live, kills in place)", True, True)}
+    # name -> (label, the lighthouse's heartbeat timeout in ms)
+    torchft = {"torchft5": ("torchft, heartbeat timeout 5 s", 5000),
+               "torchft3": ("torchft, heartbeat timeout 3 s", 3000)}
+    skipped = []
+    for name in wanted:
         with _no_leftovers(ProcessGroupRegistry(), marker):
-            variants.append(run_variant(
-                label, jit, live_resize, tmp_path / name, etcd_server, f"{etcd_root}-{name}"
-            ))
+            if name in known:
+                label, jit, live_resize = known[name]
+                variants.append(run_variant(
+                    label, jit, live_resize, tmp_path / name, etcd_server, f"{etcd_root}-{name}"
+                ))
+            elif name in torchft and not (TORCHFT_SITE / "torchft").is_dir():
+                skipped.append(f"{name} skipped: torchft is not installed in {TORCHFT_SITE} "
+                               "(make torchft-site)")
+                continue
+            elif name in torchft:
+                label, heartbeat_ms = torchft[name]
+                variants.append(run_torchft(label, heartbeat_ms, tmp_path / name))
+            else:
+                skipped.append(f"{name} skipped: no such variant")
+                continue
         print(f"\n{variants[-1]}")
     print("\n" + report(variants, (load_start, os.getloadavg()[0])))
-    assert variants
+    print("\n".join(skipped))
+    if not variants:
+        pytest.skip("; ".join(skipped))
