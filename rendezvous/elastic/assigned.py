@@ -53,6 +53,7 @@ whose assignment is gone or rewritten cannot join again
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
@@ -100,20 +101,28 @@ REEVALUATE_S = 0.25
 LOST_ROUND_WAIT_S = 5.0
 
 
+MASTER_KEY = "TIDAL_MASTER"  # the round store's key of rank 0's {"addr", "port"}
+
+
 def _store_info(rank: int, store: EtcdV3Store, addr: str) -> RendezvousStoreInfo:
     """What torch's ``RendezvousStoreInfo.build`` does (rank 0 puts its address and a free
-    port in the round's store, every node reads them), in one write and one read: both
-    keys put in one transaction, read in one (and, when the reader comes first, waited
-    for on one watch whose events carry the values). Two sets and two gets each waiting on
-    a watch of its own cost every member of a large job about 300 bytes from etcd a round.
+    port in the round's store, every node reads them), in one write and one read of one
+    key: rank 0 puts ``MASTER_KEY`` (torch's ``MASTER_ADDR`` and ``MASTER_PORT`` too, in the
+    same transaction, for whoever reads those), the others read it (and, when they come
+    first, wait for it on one watch whose event carries the value). Two sets and two gets,
+    each get waiting on a watch of its own, cost every member of a large job about 300
+    bytes from etcd and two watch events a round.
     """
-    keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
     if rank == 0:
         port: int = get_free_port()  # type: ignore[no-untyped-call]
-        store.multi_set(keys, [addr.encode(), str(port).encode()])
+        store.multi_set(
+            [MASTER_KEY, RendezvousStoreInfo.MASTER_ADDR_KEY,
+             RendezvousStoreInfo.MASTER_PORT_KEY],
+            [json.dumps({"addr": addr, "port": port}), addr, str(port)],
+        )
         return RendezvousStoreInfo(master_addr=addr, master_port=port)
-    master_addr, master_port = store.multi_get(keys)
-    return RendezvousStoreInfo(master_addr=master_addr.decode(), master_port=int(master_port))
+    master = json.loads(store.get(MASTER_KEY))
+    return RendezvousStoreInfo(master_addr=str(master["addr"]), master_port=int(master["port"]))
 
 
 class AssignedRendezvousHandler(RendezvousHandler):
