@@ -169,6 +169,13 @@ class TidalElasticAgent(LivePath, LocalElasticAgent):
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **agent_kwargs(shutdown_timeout=shutdown_timeout, **kwargs))
+        # Every node of a job runs nproc_per_node workers (one field of the job): torch
+        # elastic then computes the ranks from the node's rank (``_assign_worker_ranks``'
+        # fast path) instead of exchanging them through the round's store, which waits
+        # for every member, a dead one too (a round formed a moment before a member died
+        # held the runner there until the store's timeout). Set here, after the zygote's
+        # environment was compared with the job's (agent.runner.__main__).
+        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
         # torch 2.11 keeps none (agent.runner.torch_compat); 2.12 on set the same.
         self._shutdown_timeout = shutdown_timeout
         # Where the workers' progress, just-in-time save and live resize files are.

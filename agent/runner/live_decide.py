@@ -80,6 +80,19 @@ def caught_failure(workers: Mapping[int, WorkerLive], local_ranks: Collection[in
                for lr in local_ranks)
 
 
+def may_hold_the_dead(members: frozenset[str], new_members: frozenset[str],
+                      leaving: frozenset[str]) -> bool:
+    """After a member's death that the workers caught (a failed collective) but no
+    change reported: whether the round just formed may still hold the dead member.
+
+    It may when it left out none of the old round's members but those that
+    announced a leave (``members`` before, ``new_members`` now): the leader formed
+    it before it knew of the death. A round that left out another member formed
+    after the death (or the dead was a leaver whose workers were stopped).
+    """
+    return not (members - new_members - leaving)
+
+
 def resize_outcome(
     workers: Mapping[int, WorkerLive], local_ranks: Collection[int], round_: int, *,
     exited: bool, superseded: bool, now: float, deadline: float,
@@ -153,13 +166,17 @@ def leave_outcome(
         :data:`WAITING` while they train on, ``worker_exited`` when one
         exited without leaving (it failed: the others will not resize the
         live way), ``no_peer_stays`` when no worker left yet and every other
-        member leaves too (a cancel: nobody will resize), ``timeout`` past
-        ``deadline``.
+        member leaves too (a cancel: nobody will resize), ``membership_changed``
+        when a worker caught a failed collective (a member died: the group
+        cannot agree on the step to leave at; the others recover in place without
+        this node), ``timeout`` past ``deadline``.
     """
     gone = {lr for lr, pid in pids.items() if not alive(pid)}
     left = {lr for lr, w in workers.items() if w.state == LiveState.LEFT}
     if gone - left:
         return WORKER_EXITED
+    if caught_failure(workers, pids):
+        return MEMBERSHIP_CHANGED
     if pids and gone == set(pids):
         return DONE
     if not peers_stay and not left:

@@ -235,7 +235,8 @@ def test_a_drain_during_an_in_place_recovery_and_the_dead_node_coming_back(
     see them; a goes on alone. Then c's agent comes back and c joins the job live.
     a keeps its process throughout, every step is taken, and the job ends with the
     parameters of an uninterrupted run."""
-    total = 300  # at 0.1 s a step: still training when c is back
+    total = 600  # at 0.1 s a step: still training when c is back (its agent, warm runner
+    # and zygote start again: 30 s and more on a loaded machine)
     args = [*ARGS[:1], str(total), *ARGS[2:]]
     ref, reference_record = start_reference(procs, tmp_path, args)
     job, record = _mlp_job(tmp_path, args)

@@ -62,17 +62,13 @@ def _resizes(run_dir: Path, node: str) -> dict[str, dict[str, int]]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_join_and_a_leave_are_live_and_a_worker_that_dies_in_one_falls_back_to_a_restart(
-    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
-    procs: ProcessGroupRegistry,
-) -> None:
+def _a_and_b_then_c_joins(tmp_path: Path, etcd_server: EtcdServer, etcd_root: str,
+                          etcd_client: EtcdClient, procs: ProcessGroupRegistry,
+                          job: Assignment) -> dict[str, int | None]:
+    """Agents a, b and c; the job on a and b (round 1), then c given it too (round 2).
+    Returns the pids of a's and b's workers in round 1."""
     agents = AgentCluster(etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root,
                           workdir=tmp_path, procs=procs)
-    # Rounds: 1 (a, b), 2 (c joins, live), 3 (c leaves): the workers of a and b
-    # exit on the notice of round 3, as a worker that fails in the live path.
-    job = _job(tmp_path, "answer", "3")
     # The record names a and b before either runner starts: round 1 waits for both.
     etcd_client.put(etcd_client.keys.job(JOB), job_record_for(job, {"a": 1, "b": 1}))
     for node in ("a", "b", "c"):
@@ -83,10 +79,22 @@ def test_a_join_and_a_leave_are_live_and_a_worker_that_dies_in_one_falls_back_to
              what="world size 2 on a and b")
     pids = {n: wait_for(lambda n=n: _worker_pid(tmp_path, n), timeout=30,  # type: ignore[misc]
                         what=f"{n}'s worker ready") for n in ("a", "b")}
-
     assign(etcd_client, "c", job)
     wait_for(lambda: _at(etcd_client, {"a", "b", "c"}, 3), timeout=120,
              what="world size 3 on a, b, c")
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_join_and_a_leave_are_live_and_a_worker_that_dies_in_one_falls_back_to_a_restart(
+    tmp_path: Path, etcd_server: EtcdServer, etcd_root: str, etcd_client: EtcdClient,
+    procs: ProcessGroupRegistry,
+) -> None:
+    # Rounds: 1 (a, b), 2 (c joins, live), 3 (c leaves): the workers of a and b
+    # exit on the notice of round 3, as a worker that fails in the live path.
+    job = _job(tmp_path, "answer", "3")
+    pids = _a_and_b_then_c_joins(tmp_path, etcd_server, etcd_root, etcd_client, procs, job)
     st = statuses(etcd_client, JOB)
     for node in ("a", "b"):
         assert (st[node].resize_paths, st[node].last_resize) == ({"live": 1}, "live"), st[node]
@@ -123,24 +131,10 @@ def test_a_member_lost_during_a_planned_join_turns_the_round_into_an_in_place_re
     planned resize, and its workers' collective then failed, so they wait for a round
     marked lost. The runner marks the round it formed lost instead of leaving them to
     time out (30 s) and restarting: the workers keep their processes."""
-    agents = AgentCluster(etcd_endpoint=etcd_server.endpoint, etcd_root=etcd_root,
-                          workdir=tmp_path, procs=procs)
     # Rounds: 1 (a, b), 2 (c joins): a's and b's stand-ins answer round 2's planned
     # notice "broken", as workers whose all-reduce failed at that moment.
     job = _job(tmp_path, "broken", "2")
-    etcd_client.put(etcd_client.keys.job(JOB), job_record_for(job, {"a": 1, "b": 1}))
-    for node in ("a", "b", "c"):
-        agents.start_agent(node)
-    for node in ("a", "b"):
-        assign(etcd_client, node, job)
-    wait_for(lambda: _at(etcd_client, {"a", "b"}, 2), timeout=120,
-             what="world size 2 on a and b")
-    pids = {n: wait_for(lambda n=n: _worker_pid(tmp_path, n), timeout=30,  # type: ignore[misc]
-                        what=f"{n}'s worker ready") for n in ("a", "b")}
-
-    assign(etcd_client, "c", job)
-    wait_for(lambda: _at(etcd_client, {"a", "b", "c"}, 3), timeout=60,
-             what="world size 3 on a, b, c")
+    pids = _a_and_b_then_c_joins(tmp_path, etcd_server, etcd_root, etcd_client, procs, job)
     for node in ("a", "b"):
         wait_for(lambda n=node: _resizes(tmp_path, n) == {"live": {"lost": 1}},  # type: ignore[misc]
                  timeout=10, what=f"{node}'s metrics to count one live recovery from a loss")

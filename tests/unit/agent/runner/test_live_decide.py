@@ -171,3 +171,19 @@ def test_a_planned_resize_that_meets_a_failed_collective_turns_into_a_loss() -> 
                                ack_deadline=2.0) == live.WAITING
     assert live.resize_outcome(broken, [0, 1], 3, exited=False, superseded=False, now=5.0,
                                deadline=10.0, ack_deadline=2.0) == TIMEOUT
+
+
+def test_a_leave_whose_group_broke_meanwhile_stops_its_workers_at_once() -> None:
+    pids = {0: 101, 1: 102}
+    broken = {0: worker(101, LiveState.BROKEN), 1: worker(102)}
+    assert live.leave_outcome(broken, pids, lambda pid: True, peers_stay=True, now=0.0,
+                              deadline=5.0) == MEMBERSHIP_CHANGED
+
+
+def test_a_round_that_left_out_only_the_leavers_may_still_hold_a_member_that_died() -> None:
+    old = frozenset({"a", "b", "c"})
+    # b announced its leave; c died a moment later: the leader's round left out b only.
+    assert live.may_hold_the_dead(old, frozenset({"a", "c"}), frozenset({"b"}))
+    assert live.may_hold_the_dead(old, frozenset({"a", "b", "c", "d"}), frozenset())  # a join
+    # It left out c too: it was formed after c's death.
+    assert not live.may_hold_the_dead(old, frozenset({"a"}), frozenset({"b"}))
