@@ -51,6 +51,10 @@ Reported, per variant:
 * **undisturbed pace**: the same ratio over the 15 s before the window, no
   churn yet: what the system costs a step in steady state (part of goodput,
   apart from the churn's own cost);
+* **at full size**: the share of the window's new steps taken by all three
+  (tidal: at world size 3, the global batch is 32 at any size; torchft: with 3
+  participants, each replica adds its own 11 samples, so a step of 2 trains on
+  fewer samples);
 * **each kill**: the path the survivors took (``in place``: they kept their
   processes; ``restart``: their workers were restarted), the steps lost (the
   last step completed before the kill minus the step the survivors went on
@@ -213,6 +217,7 @@ class Variant:
     kept: int = 0
     reference: int = 0
     pace: float | None = None  # undisturbed steps / the reference's, before the window
+    full: float | None = None  # the window's new steps taken by all 3 (torchft: participants)
     kills: list[Kill] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -388,13 +393,17 @@ def measure_pace(out: Variant, steps: Callable[[], list[tuple[float, int]]],
     return end
 
 
-def count_goodput(out: Variant, steps: list[tuple[float, int]], ref_log: Path, t0: float,
+def count_goodput(out: Variant, lines: list[Line], ref_log: Path, t0: float,
                   t_end: float) -> float:
     """Goodput over [t0, t_end]; returns the reference's median step time."""
     ref = steps_of(read_lines([("ref", ref_log)]))
-    out.kept = frontier(steps, t_end) - frontier(steps, t0)
+    steps = new_steps(lines)
+    out.kept = frontier([(t, s) for t, s, _ in steps], t_end) - frontier(
+        [(t, s) for t, s, _ in steps], t0)
     out.reference = frontier(ref, t_end) - frontier(ref, t0)
     out.goodput = out.kept / out.reference if out.reference else None
+    sizes = [size for t, _, size in steps if t0 < t <= t_end]
+    out.full = sum(size == 3 for size in sizes) / len(sizes) if sizes else None
     intervals = [b[0] - a[0] for a, b in itertools.pairwise(ref) if b[1] == a[1] + 1]
     return statistics.median(intervals) if intervals else STEP_SECONDS
 
@@ -464,7 +473,7 @@ def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: Et
         t_end = churn(out, Churn(kill_oldest, lambda: _warm(workdir, spare), join_spare), t0)
         worker = read_lines(worker_logs())
         runner = read_lines(runner_logs())
-        step_s = count_goodput(out, steps_of(worker), ref_log, t0, t_end)
+        step_s = count_goodput(out, worker, ref_log, t0, t_end)
         for index, kill in enumerate(out.kills):
             survivors = set(cluster.agents) - {k.victim for k in out.kills[: index + 1]}
             until = out.kills[index + 1].at if index + 1 < len(out.kills) else t_end
@@ -541,7 +550,7 @@ def run_torchft(name: str, heartbeat_ms: int, workdir: Path) -> Variant:
         t_end = churn(out, Churn(kill_oldest, lambda: (workdir / f"{spare}.ready").exists(),
                                  join_spare), t0)
         lines = read_lines(logs())
-        count_goodput(out, steps_of(lines), ref_log, t0, t_end)
+        count_goodput(out, lines, ref_log, t0, t_end)
         for index, kill in enumerate(out.kills):
             survivors = set(replicas) - {k.victim for k in out.kills[: index + 1]}
             until = out.kills[index + 1].at if index + 1 < len(out.kills) else t_end
@@ -561,11 +570,11 @@ def report(variants: list[Variant], load: tuple[float, float]) -> str:
         f"every_steps={EVERY_STEPS}, step paced at {STEP_SECONDS} s; {os.cpu_count()} cores, "
         f"1-min load {load[0]:.1f} at the start, {load[1]:.1f} at the end",
         "",
-        "| variant | goodput | steps kept / reference | undisturbed pace | kills "
+        "| variant | goodput | steps kept / reference | at full size | undisturbed pace | kills "
         "| kills in place / restarted "
         "| steps lost per kill (median / worst) | kill pause median / worst (s) "
         "| joins live / all | join pause median / worst (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in variants:
         lost = [k.lost for k in v.kills if k.lost is not None]
@@ -573,6 +582,7 @@ def report(variants: list[Variant], load: tuple[float, float]) -> str:
             v.name,
             f"{100 * v.goodput:.1f}%" if v.goodput is not None else "-",
             f"{v.kept} / {v.reference}",
+            f"{100 * v.full:.0f}%" if v.full is not None else "-",
             f"{100 * v.pace:.1f}%" if v.pace is not None else "-",
             str(len(v.kills)),
             f"{sum(k.path == 'in place' for k in v.kills)} / "
