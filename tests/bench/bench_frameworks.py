@@ -35,10 +35,17 @@ from) and the coordinator's events for the job:
 * **path**: ``live`` where the job's events after the event say
   ``resized_live``, ``restart`` where they say ``resized_by_restart`` or
   ``restarted``, with the reasons recorded;
-* **steps redone**: the last step completed before the event minus the step
-  training resumed from (0 where it did not restart);
-* **gap**: from the event to the first *new* step (one past the last step
-  completed before it), so it includes the restart and the steps redone.
+* **steps redone**: the last step completed before training started again
+  (the first training start after the event, at the event's world size)
+  minus the step it resumed from;
+* **gap**: from the event to the first *new* step (one past that last step),
+  so it includes the restart and the steps redone; for a join it also holds
+  the seconds the others trained on while the node's runner got ready;
+* **pause**: from that last step to the first new step: how long the job did
+  not advance.
+
+Every event here takes the restart path (neither framework has the live path
+yet): each is done at a new step of a training started after it.
 
 Each job trains tens of seconds per phase; the whole run takes 10 to 15
 minutes on the shared 2-core machine. Every process started here (``tidal
@@ -91,9 +98,10 @@ class Measured:
     event: str
     at: float  # time.time() of the event
     path: str = "-"
-    last_done: int | None = None  # last step completed before the event
+    last_done: int | None = None  # last step completed before training restarted
     resumed: int | None = None  # the step training resumed from (None: it did not restart)
     gap_s: float | None = None  # event -> first new step
+    pause_s: float | None = None  # last step before the restart -> first new step
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -230,20 +238,31 @@ class Job:
         steps = self.steps()
         return str(steps[-1]["node"]) if steps else ""
 
-    def last_done(self, at: float) -> int | None:
+    def last_before(self, at: float) -> dict[str, Any] | None:
+        """The last step completed before ``at``."""
         before = [r for r in self.steps() if r["time"] <= at]
-        return int(before[-1]["step"]) if before else None
+        return before[-1] if before else None
 
-    def new_step(self, at: float, last: int, *, size: int | None = None,
-                 restarted: bool = False) -> dict[str, Any] | None:
-        """The first step past ``last`` after ``at`` (at world size ``size``; with
-        ``restarted``, of a training started after ``at``)."""
-        starts = [r["time"] for r in self.steps("start") if r["time"] > at]
-        if restarted and not starts:
-            return None
-        since = starts[0] if restarted else at
-        return next((r for r in self.steps() if r["time"] > since and r["step"] > last
+    def restart_after(self, at: float, size: int | None) -> dict[str, Any] | None:
+        """The first training start after ``at`` (at world size ``size``)."""
+        return next((r for r in self.steps("start") if r["time"] > at
                      and (size is None or r["world_size"] == size)), None)
+
+    def new_step(self, at: float, *, size: int | None = None, restarted: bool = False
+                 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None] | None:
+        """The first new step after ``at`` (at world size ``size``): after the first
+        training start after ``at`` if there is one (``restarted``: only then), one
+        past the last step completed before that start (or before ``at``). Returns
+        (that step, the start, the last step before the start) or None."""
+        start = self.restart_after(at, size)
+        if restarted and start is None:
+            return None
+        last = self.last_before(start["time"] if start else at)
+        since = start["time"] if start else at
+        past = -1 if last is None else int(last["step"])
+        first = next((r for r in self.steps() if r["time"] > since and r["step"] > past
+                      and (size is None or r["world_size"] == size)), None)
+        return None if first is None else (first, start, last)
 
     def steady(self, at: float, size: int) -> None:
         """Wait for STEADY_STEPS new steps at ``size`` after ``at``, the job RUNNING at it."""
@@ -254,16 +273,17 @@ class Job:
                  what=f"{STEADY_STEPS} steps at world size {size}, RUNNING")
 
     def measure(self, m: Measured, *, size: int | None = None, restarted: bool = False) -> None:
-        """Wait for the first new step after ``m``'s event; fill in the gap and the resume."""
-        m.last_done = self.last_done(m.at)
-        last = -1 if m.last_done is None else m.last_done
-        first = wait_for(lambda: self.new_step(m.at, last, size=size, restarted=restarted),
+        """Wait for the first new step after ``m``'s event; fill in the figures."""
+        found = wait_for(lambda: self.new_step(m.at, size=size, restarted=restarted),
                          timeout=EVENT_DEADLINE_S, interval=0.1,
-                         what=f"a new step after '{m.event}' (past step {last}, size {size})")
-        assert first is not None
+                         what=f"a new step after '{m.event}' (size {size})")
+        assert found is not None
+        first, start, last = found
         m.gap_s = first["time"] - m.at
-        starts = [r for r in self.steps("start") if m.at < r["time"] <= first["time"]]
-        m.resumed = int(starts[-1]["step"]) if starts else None
+        m.last_done = None if last is None else int(last["step"])
+        m.resumed = None if start is None else int(start["step"])
+        if last is not None:
+            m.pause_s = first["time"] - last["time"]
 
 
 def paths(events: list[dict[str, Any]], measured: list[Measured], until: float) -> None:
@@ -308,7 +328,7 @@ def _events(up: Up, job: Job, run: JobRun) -> None:
     kill = Measured("kill", time.time())
     old_pid = up.kill_agent(victim)
     run.events.append(kill)
-    job.measure(kill)
+    job.measure(kill, restarted=True)
 
     back = wait_for(lambda: (pid := up.agent_pid(victim)) is not None and pid != old_pid
                     and pid, timeout=EVENT_DEADLINE_S, what=f"{victim}'s agent back")
@@ -319,7 +339,7 @@ def _events(up: Up, job: Job, run: JobRun) -> None:
                 and victim in e.get("nodes", []) and _stamp(e["time"]) > kill.at]
         if said:
             return said[0]
-        if job.view()["world_size"] == 3 and job.new_step(kill.at, -1, size=3):
+        if job.view()["world_size"] == 3 and job.new_step(kill.at, size=3):
             return started  # back within its lease: the coordinator never dropped it
         return None
 
@@ -328,14 +348,14 @@ def _events(up: Up, job: Job, run: JobRun) -> None:
     assert join_at is not None
     join = Measured("join", join_at)
     run.events.append(join)
-    job.measure(join, size=3)
+    job.measure(join, size=3, restarted=True)
     job.steady(join.at, 3)
 
     patch = Measured("PATCH", time.time())
     response = up.api.patch(f"/v1/jobs/{job.id}", json={"max_nodes": 2})
     assert response.status_code == 200, response.text
     run.events.append(patch)
-    job.measure(patch, size=2)
+    job.measure(patch, size=2, restarted=True)
     job.steady(patch.at, 2)
 
     left = sorted(n["node_id"] for n in job.view()["nodes"])
@@ -365,21 +385,22 @@ def report(runs: list[JobRun], loads: list[tuple[float, float, float]]) -> str:
         f"{_load_text(loads)}; a step every {STEP_SECONDS} s (sleep) plus compute; the "
         f"framework's own checkpoint every {SAVE_STEPS} steps; grace {GRACE_S} s",
         "",
-        "| framework | callback | event | path | steps redone | gap (s) |",
-        "|---|---|---|---|---|---|",
+        "| framework | callback | event | path | steps redone | gap (s) | pause (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         for m in run.events:
             redone = "-" if m.redone is None else str(m.redone)
             gap = f"> {EVENT_DEADLINE_S:g}" if m.gap_s is None else f"{m.gap_s:.1f}"
+            pause = "-" if m.pause_s is None else f"{m.pause_s:.1f}"
             lines.append(f"| {run.framework} | {'on' if run.callback else 'off'} | {m.event} "
-                         f"| {m.path} | {redone} | {gap} |")
+                         f"| {m.path} | {redone} | {gap} | {pause} |")
     lines.append("")
     for run in runs:
         name = f"{run.framework}, callback {'on' if run.callback else 'off'}"
         for m in run.events:
-            lines.append(f"{name}, {m.event}: last step before {m.last_done}, resumed from "
-                         f"{m.resumed}; events: {'; '.join(m.reasons) or '-'}")
+            lines.append(f"{name}, {m.event}: last step before the restart {m.last_done}, "
+                         f"resumed from {m.resumed}; events: {'; '.join(m.reasons) or '-'}")
         for note in run.notes:
             lines.append(f"{name}: {note}")
     return "\n".join(lines)
