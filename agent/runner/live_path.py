@@ -32,6 +32,7 @@ from agent.runner.restarts import Action
 from agent.runner_metrics import LIVE, MEMBERSHIP_CHANGED, NOT_ANNOUNCED, NOT_CAPABLE, RESTART
 from checkpoints.protocol.live import (
     ResizeNotice,
+    WorkerLive,
     write_leave_notice,
     write_lost_notice,
     write_resize_notice,
@@ -115,18 +116,18 @@ class LivePath:
             group.state != WorkerState.HEALTHY
         ):
             return NOT_CAPABLE
-        local_ranks = [w.local_rank for w in group.workers]
-        return live.blocker(live.read_workers(self._progress_dir, local_ranks), local_ranks, alive,
-                            lost=lost)
+        return live.blocker(*self._local_workers(), alive, lost=lost)
+
+    def _local_workers(self) -> tuple[dict[int, WorkerLive], list[int]]:
+        """This node's workers' answers on the live path, and their local ranks."""
+        assert self._progress_dir is not None
+        local_ranks = [w.local_rank for w in self._worker_group.workers]
+        return live.read_workers(self._progress_dir, local_ranks), local_ranks
 
     def _caught_failure(self) -> bool:
         """Whether a local worker caught a failed collective (a member of its group is
         lost), whatever change the runner saw first."""
-        if self._progress_dir is None:
-            return False
-        local_ranks = [w.local_rank for w in self._worker_group.workers]
-        return live.caught_failure(live.read_workers(self._progress_dir, local_ranks),
-                                   local_ranks)
+        return self._progress_dir is not None and live.caught_failure(*self._local_workers())
 
     def _write_lost_notice(self, broken_round: int, now: float) -> None:
         """Tell the workers that round ``broken_round`` lost a member: their watchdog
@@ -138,12 +139,13 @@ class LivePath:
             log.warning("cannot write the live lost notice: %s", exc)
 
     def _live_resize(self, change: Change, members: frozenset[str], *,
-                     lost: bool | None = None) -> frozenset[str]:
+                     lost: bool) -> frozenset[str]:
         """Form the next round with the workers running, and have them re-form their group.
 
-        ``lost``: the round recovers from a member lost (default: the change is
-        :data:`~rendezvous.elastic.assigned_rounds.LOST`); a planned change during
-        which a worker catches a failed collective becomes one, in the round formed.
+        ``lost``: the round recovers from a member lost (a
+        :data:`~rendezvous.elastic.assigned_rounds.LOST` change, or a planned one whose
+        workers caught a failed collective first); a planned change during which a
+        worker catches one becomes such a round too.
         Falls back to restarting the group (in the round just formed) when the
         workers do not all answer in time (:func:`agent.runner.restarts.after_live`).
         Returns the new round's members.
@@ -151,7 +153,6 @@ class LivePath:
         assert self._progress_dir is not None
         group = self._worker_group
         noticed_at, noticed = time.time(), time.monotonic()
-        lost = change.kind == LOST if lost is None else lost
         broken_round = self._handler.current_round()
         if lost:
             # First of all, so that a worker blocked on the dead peer hears of it.
@@ -283,13 +284,12 @@ class LivePath:
         except OSError as exc:
             log.warning("cannot write the live resize notice: %s", exc)
             return NOT_CAPABLE
-        local_ranks = [w.local_rank for w in group.workers]
         deadline = time.monotonic() + self._live_timeout_s
         ack_deadline = lost_since + LOST_ACK_S if lost_since is not None else None
         while True:
             change = self._handler.pending_change()
             outcome = live.resize_outcome(
-                live.read_workers(self._progress_dir, local_ranks), local_ranks, round_,
+                *self._local_workers(), round_,
                 exited=not all(alive(pid) for pid in self._pcontext.pids().values()),
                 superseded=change is not None and change.kind not in restarts.PLANNED,
                 now=time.monotonic(), deadline=deadline, ack_deadline=ack_deadline,
