@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from checkpoints import sharded as sharded_io
 from checkpoints.errors import CheckpointCorruptError, CheckpointError
-from checkpoints.state import STATE_FILE
+from checkpoints.state import STATE_FILE, safe_torch_load
 from checkpoints.storage import Candidate, CheckpointStore, Fence, Manifest
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "load_chosen",
     "maps_to_device",
     "read_replicated",
-    "torch_load_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -181,30 +179,12 @@ def read_replicated(
     if manifest.kind != "replicated":
         raise CheckpointCorruptError(path, None, f"it is {manifest.kind}, not replicated")
     with store.open_verified(path, manifest, STATE_FILE) as verified:
-        state = torch_load_file(verified, path=path, name=STATE_FILE, mmap=mmap)
+        state = safe_torch_load(verified, path=path, name=STATE_FILE, mmap=mmap)
     if not isinstance(state, dict) or state.get("step") != manifest.step:
         raise CheckpointCorruptError(path, STATE_FILE, "it does not hold the manifest's step")
     if mmap:
         state = copy_off_mapping(state)
     return manifest, state
-
-
-def torch_load_file(file: Path, *, path: Path, name: str, mmap: bool) -> Any:
-    """``torch.load(weights_only=True)`` of a file, to the CPU; a refusal means a corrupt file.
-
-    The file-path twin of :func:`checkpoints.state.safe_torch_load` (which
-    takes bytes): the same errors are translated the same way.
-
-    Raises:
-        CheckpointCorruptError: naming the file and torch's reason.
-    """
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointCorruptError(
-            path, name, f"torch.load(weights_only=True) refused it: {reason}"
-        ) from exc
 
 
 #: Tensors of a memory-mapped load under these keys, at least this large, stay mapped.

@@ -35,7 +35,6 @@ __all__ = [
     "Stateful",
     "apply_state",
     "capture_rng",
-    "load_replicated",
     "restore_rng",
     "safe_torch_load",
     "write_replicated",
@@ -132,14 +131,19 @@ def apply_state(
         restore_rng(state["rng"])
 
 
-def safe_torch_load(data: bytes, *, path: Path, name: str) -> Any:
+def safe_torch_load(data: bytes | Path, *, path: Path, name: str, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` on CPU; anything it refuses is a corrupt checkpoint.
+
+    Args:
+        data: the file's bytes, or a path to load it from by name (``mmap``: memory-mapped).
+        path / name: the checkpoint and the file's name in it, for the error.
 
     Raises:
         CheckpointCorruptError: naming the file and torch's reason.
     """
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointCorruptError(
@@ -209,19 +213,3 @@ def write_replicated(
                 f"writing the checkpoint of step {step} under {store.root} failed: {exc}"
             ) from exc
         raise
-
-
-def load_replicated(store: CheckpointStore, path: Path) -> tuple[Manifest, dict[str, Any]]:
-    """Verify and load a replicated checkpoint (the file is read once, checked, then loaded).
-
-    Raises:
-        CheckpointCorruptError: when anything about it is wrong, naming the file and why.
-    """
-    manifest = store.read_manifest(path)
-    if manifest.kind != "replicated":
-        raise CheckpointCorruptError(path, None, f"it is {manifest.kind}, not replicated")
-    data = store.read_verified(path, manifest, STATE_FILE)
-    state = safe_torch_load(data, path=path, name=STATE_FILE)
-    if not isinstance(state, dict) or state.get("step") != manifest.step:
-        raise CheckpointCorruptError(path, STATE_FILE, "it does not hold the manifest's step")
-    return manifest, state

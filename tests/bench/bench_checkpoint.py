@@ -73,7 +73,7 @@ import torch.multiprocessing as mp
 
 import checkpoints as ck
 from checkpoints.async_save import StateSnapshot
-from checkpoints.state import load_replicated
+from checkpoints.restoring import read_replicated
 from checkpoints.storage import CheckpointStore
 
 WIDTH, LAYERS, BATCH = 2048, 6, 64  # 6 x 2048^2 weights: 25.2M parameters
@@ -360,7 +360,7 @@ def restore_seconds(root: Path) -> float:
     """Verify and load the newest checkpoint under ``root``, right after it was saved."""
     store = CheckpointStore(root)
     started = time.perf_counter()
-    load_replicated(store, store.path_of(store.steps()[0]))
+    read_replicated(store, store.path_of(store.steps()[0]), mmap=False)
     return time.perf_counter() - started
 
 

@@ -50,7 +50,7 @@ import pytest
 import torch
 
 import checkpoints as ck
-from checkpoints.restoring import copy_off_mapping, torch_load_file
+from checkpoints.restoring import copy_off_mapping
 from checkpoints.state import STATE_FILE, apply_state, safe_torch_load
 from checkpoints.storage import CheckpointStore
 from examples.charlm import SIZES, CharLM
@@ -124,7 +124,7 @@ def _restore_new(
     manifest = store.read_manifest(path)
     with store.open_verified(path, manifest, STATE_FILE) as verified:
         clock.mark("check")  # the one read of the file: checksummed in place
-        state = torch_load_file(verified, path=path, name=STATE_FILE, mmap=mmap)
+        state = safe_torch_load(verified, path=path, name=STATE_FILE, mmap=mmap)
         if mmap:
             state = copy_off_mapping(state)
     clock.mark("torch.load")

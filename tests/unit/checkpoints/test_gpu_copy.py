@@ -21,7 +21,7 @@ import checkpoints.async_save as async_save
 import checkpoints.saving as saving_module
 from checkpoints.async_save import StateSnapshot
 from checkpoints.gpu_copy import CopyPath, SideStreamCopy, copy_path, stable_tensors
-from checkpoints.state import load_replicated
+from checkpoints.restoring import read_replicated
 from checkpoints.storage import CheckpointStore
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -285,7 +285,7 @@ def hold_the_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 def saved(root: Path, step: int) -> dict[str, Any]:
-    _, state = load_replicated(CheckpointStore(root), root / f"step-{step:010d}")
+    _, state = read_replicated(CheckpointStore(root), root / f"step-{step:010d}", mmap=False)
     return state
 
 
