@@ -14,6 +14,8 @@ Run it with torchrun alone, or under tidal (which sets the same environment)::
         --checkpoint-dir /tmp/mlp --total-steps 60 --dtype float64
 
 It also runs as a plain single process (``python examples/mlp.py ...``).
+``--device cuda`` puts the model and the data on the worker's first visible GPU;
+the gradients still go over gloo (the GPU check runs three members on one GPU).
 Each rank logs one line per step: ``rank R world_size W step S loss L``.
 
 ``--live-resize`` lets tidal change the job's nodes without restarting its
@@ -84,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="where the model and data live (cuda: this worker's first visible GPU; the "
+        "gradients still go over gloo, so several workers may share one GPU)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data order and initial weights")
     parser.add_argument("--every-steps", type=int, default=10)
     parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
@@ -105,12 +112,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class SyntheticRegression(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
     """``y = sin(x . w) + noise``, the same on every rank and every run; items carry their index."""
 
-    def __init__(self, *, size: int, features: int, dtype: torch.dtype) -> None:
+    def __init__(self, *, size: int, features: int, dtype: torch.dtype,
+                 device: str = "cpu") -> None:
         generator = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(size, features, generator=generator, dtype=dtype)
+        x = torch.randn(size, features, generator=generator, dtype=dtype)
         w = torch.randn(features, 1, generator=generator, dtype=dtype)
         noise = torch.randn(size, 1, generator=generator, dtype=dtype)
-        self.y = torch.sin(self.x @ w) + 0.1 * noise
+        # Drawn on the CPU, so the data is the same whatever the device.
+        self.x, self.y = x.to(device), (torch.sin(x @ w) + 0.1 * noise).to(device)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -146,7 +155,7 @@ def train_step(
 ) -> tuple[torch.Tensor, list[int]]:
     """One optimizer step over this rank's micro-batches; returns (local mean loss, samples)."""
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=next(model.parameters()).device)
     samples: list[int] = []
     for i in range(plan.accumulation_steps):
         x, y, index = next(batches)
@@ -254,13 +263,16 @@ def write_record(
 def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
     """Restore, train until ``--total-steps`` or ``--stop-after-step``, save, record."""
     dtype = getattr(torch, args.dtype)
-    model = make_model(args, dtype)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    model = make_model(args, dtype).to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     end_step = args.total_steps
     if args.stop_after_step is not None:
         end_step = min(end_step, args.stop_after_step)
-    dataset = SyntheticRegression(size=args.dataset_size, features=args.features, dtype=dtype)
+    dataset = SyntheticRegression(size=args.dataset_size, features=args.features, dtype=dtype,
+                                  device=args.device)
     pipeline = Pipeline(args, model, dataset, end_step=end_step)
     ckpt = ck.Checkpointer(
         args.checkpoint_dir,

@@ -5,7 +5,11 @@ Run with ``flock /tmp/tidal-quiet.lock .venv/bin/python -m pytest -m bench -s
 tests/bench/bench_recovery_in_place.py``
 (``BENCH_IN_PLACE_KILLS=N``: kills per path, 10 by default;
 ``BENCH_IN_PLACE_PATHS=in-place`` or ``restart`` runs one path only;
-``BENCH_IN_PLACE_NODES=8``: the job's nodes, 3 by default).
+``BENCH_IN_PLACE_NODES=8``: the job's nodes, 3 by default;
+``BENCH_IN_PLACE_DEVICE=cuda``: the model and data on the GPU, every member sharing
+the machine's GPU 0 over gloo, its agents started with ``--gpus none`` so that
+none hides it; ``BENCH_IN_PLACE_MODEL="--features 1024 --hidden 4096"``: a larger
+MLP than the default 8 x 32, appended to the script's arguments).
 
 One job of ``examples/mlp.py`` (float64, the checkpoints library, DDP over gloo,
 a checkpoint every 20 steps, a step every 0.05 s) on ``NODES`` (3) ``tidal agent``
@@ -60,6 +64,8 @@ ARGS = [
     "--dtype", "float64", "--every-steps", "20", "--seed", "5", "--step-seconds", "0.05",
 ]
 NODES = int(os.environ.get("BENCH_IN_PLACE_NODES", "3"))
+DEVICE = os.environ.get("BENCH_IN_PLACE_DEVICE", "cpu")
+MODEL = os.environ.get("BENCH_IN_PLACE_MODEL", "").split()
 _STEP = re.compile(r"rank (\d+) world_size (\d+) step (\d+) loss")
 _FAILED = "a collective failed at step"
 _RECOVERED = re.compile(r"recovered in place .* in ([\d.]+) s \(notice ([\d.]+) s, "
@@ -132,7 +138,9 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
     tmp.mkdir(parents=True, exist_ok=True)
     cluster = AgentCluster(etcd_endpoint=etcd.endpoint, etcd_root=root, workdir=tmp, procs=procs)
     job_id = "in-place" if live else "restart"
-    command = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp / "ckpt"), *ARGS]
+    command = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp / "ckpt"), *ARGS,
+               "--device", DEVICE, *MODEL]
+    agent_flags = ("--gpus", "none") if DEVICE == "cuda" else ()
     if live:
         command.append("--live-resize")
     job = Assignment(job_id=job_id, command=command, env={"OMP_NUM_THREADS": "1"},
@@ -140,7 +148,7 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
     prefix = "i" if live else "r"  # node ids of their own: the other path's job is not theirs
     members = [f"{prefix}{chr(ord('a') + i)}" for i in range(nodes)]
     for node in members:
-        cluster.start_agent(node)
+        cluster.start_agent(node, extra=agent_flags)
         assign(client, node, job)
     out: list[Kill] = []
     try:  # a run that times out keeps the kills measured before (the report says how many)
@@ -162,7 +170,7 @@ def run_path(tmp: Path, procs: ProcessGroupRegistry, etcd: EtcdServer, root: str
             out.append(Kill(stamp - killed, parts))
             print(f"{job_id} kill {i + 1}: recovery {stamp - killed:.3f} s {parts}", flush=True)
             newcomer = f"{prefix}n{i}"
-            cluster.start_agent(newcomer)
+            cluster.start_agent(newcomer, extra=agent_flags)
             assign(client, newcomer, job)
             members.append(newcomer)
     except TimeoutError as exc:
@@ -180,7 +188,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def report(results: dict[str, list[Kill]]) -> str:
-    lines = [f"{NODES} nodes, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+    lines = [f"{NODES} nodes, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
+             f"device {DEVICE} {' '.join(MODEL)}".rstrip(),
              f"{'path':10} {'kills':>5} {'p50 s':>7} {'p99 s':>7} {'max s':>7}"]
     for name, kills in results.items():
         values = [k.recovery for k in kills]

@@ -2,7 +2,7 @@
 
 On a GPU machine with its own ``python3`` (torch and CUDA, none of tidal's
 dependencies, no network) it installs the wheels ``make gpu-wheels`` downloaded
-(``--no-index --no-deps --target``: torch is never pulled), then runs six parts,
+(``--no-index --no-deps --target``: torch is never pulled), then runs seven parts,
 each under its own time budget and the whole under ``--total-s`` (8 minutes by
 default), each ending ok, failed with the reason, or skipped with why, the run
 always going on to the next:
@@ -14,7 +14,9 @@ always going on to the next:
    step time;
 4. the checkpoint stall benchmark: steps lost per save, sync against the side stream;
 5. the restart path (worker killed -> first step) with its breakdown;
-6. NCCL: a process group, the abort, the live re-form and its state transfer.
+6. NCCL: a process group, the abort, the live re-form and its state transfer;
+7. a lost node recovered in place beside the restart path, three members sharing
+   the GPU over gloo (:mod:`tests.gpu.parts_in_place`).
 
 It writes ``gpu-check.json`` and ``gpu-check.md`` (:mod:`tests.gpu.report`), and
 the children's logs under ``logs/``, into ``--out`` (default ``$OUT``, else
@@ -40,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.gpu.context import Context
+from tests.gpu.parts_in_place import part_in_place
 from tests.gpu.parts_local import part_checkpoint_stall, part_cuda_tests, part_nccl
 from tests.gpu.parts_tidal import part_restart, part_step_time, part_tidal_gpus
 from tests.gpu.procs import Deadline, Processes
@@ -57,6 +60,7 @@ PARTS: tuple[tuple[int, str, float, Part], ...] = (
     (4, "checkpoint stall: steps lost per save", 150, part_checkpoint_stall),
     (5, "restart path: worker killed -> first step", 120, part_restart),
     (6, "NCCL: group, abort, live re-form", 100, part_nccl),
+    (7, "a lost node: in place beside the restart path", 150, part_in_place),
 )
 MIN_PART_S = 15.0
 #: Kept for each part still to come, so that one part running long cannot starve the rest.
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "build" / "gpu-check-work")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--total-s", type=float, default=TOTAL_S)
-    parser.add_argument("--parts", default="1,2,3,4,5,6", help="which parts (for a rerun)")
+    parser.add_argument("--parts", default="1,2,3,4,5,6,7", help="which parts (for a rerun)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every part's budget (a slow or loaded CPU machine)")
     args = parser.parse_args(argv)

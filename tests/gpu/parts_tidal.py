@@ -371,6 +371,4 @@ def part_restart(ctx: Context, part: PartResult, deadline: Deadline) -> None:
                 part.figures.update(figures)
     finally:
         cluster.finish(job, Deadline(min(30.0, max(5.0, deadline.left()))))
-    part.skipped("the in-place path beside it", "not built into this check: tidal's in-place "
-                 "recovery (#25) keeps the survivors of a lost member, so it needs two members, "
-                 "and on NCCL two GPUs (tests/e2e/test_in_place_recovery.py shows it on the CPU)")
+    # The in-place path beside it, with members that keep their processes: part 7.

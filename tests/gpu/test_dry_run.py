@@ -23,15 +23,17 @@ import pytest
 from tests.gpu.procs import MARKER, marked_processes
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = [1, 2, 3, 4, 5, 6]
+PARTS = [1, 2, 3, 4, 5, 6, 7]
 CUDA_ONLY = {  # a check that exists only on a GPU, as the dry run must name it
     3: "charlm 200m step time on the GPU",
     4: "steps lost per save, 200m model + AdamW on the GPU",
     5: "the restart path on the GPU",
     6: "NCCL process group (1 rank)",
+    7: "a lost node on the GPU, in place and restarted",
 }
 STAND_IN = {  # what each CPU stand-in's check name must say
     3: "dry run stand-in", 4: "on the CPU", 5: "dry run stand-in", 6: "dry run stand-in",
+    7: "in-place: node SIGKILLed",
 }
 
 
@@ -96,5 +98,6 @@ def test_the_gpu_check_runs_dry_skipping_cuda_and_saying_so(tmp_path: Path) -> N
     restart = next(c for c in parts[5]["checks"] if c["name"].startswith("worker killed"))
     assert {"detect_and_spawn_s", "state_load_s", "first_step_s", "total_s"} <= set(
         restart["figures"])
-    assert any(c["outcome"] == "skipped" and "not built" in c["detail"]
-               for c in parts[5]["checks"])
+    # Part 7 recovered a SIGKILLed node in place, with its breakdown.
+    in_place = next(c for c in parts[7]["checks"] if c["name"].startswith("in-place"))
+    assert in_place["figures"]["kills"] == 1 and "re-form_s" in in_place["figures"]
