@@ -13,7 +13,9 @@ plain ``torchrun``. ``--step-seconds`` paces the steps (a sleep after each) so
 that a few CPU workers on a small machine train at a steady rate;
 ``--events FILE`` makes rank 0 append one JSON line per step (``{"kind":
 "step", "step", "world_size", "node", "time"}``) and one as training starts
-(``"kind": "start"``, the step it resumed from), which tests/bench/bench_frameworks.py reads.
+(``"kind": "start"``, the step it resumed from), which tests/support/frameworks.py reads
+(the benchmark and the end-to-end tests); ``--stop-file FILE`` ends a job of
+unknown length: once FILE holds a step number, every rank stops after it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ def append_event(path: str, kind: str, step: int) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def stop_step(path: str) -> int | None:
+    """The step ``--stop-file`` names, once it exists (None before)."""
+    try:
+        return int(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoints)")
@@ -54,6 +64,9 @@ def main() -> None:
                         help="the Trainer's own periodic checkpoint, every N steps")
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--events", default="", help="rank 0 appends its steps here (JSON lines)")
+    parser.add_argument("--stop-file", default="",
+                        help="once this file holds a step number, every rank stops after "
+                             "that step (how a test ends a job of unknown length)")
     parser.add_argument("--no-callback", action="store_true",
                         help="leave tidal's TidalCallback out (a plain Trainer script)")
     opts = parser.parse_args()
@@ -70,7 +83,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     class Pace(TrainerCallback):  # type: ignore[misc]
-        """Rank 0's steps to ``--events``; a sleep after each step (``--step-seconds``)."""
+        """Rank 0's steps to ``--events``; a sleep after each step (``--step-seconds``);
+        the stop at ``--stop-file``'s step."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if rank == 0 and opts.events:
@@ -79,7 +93,10 @@ def main() -> None:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if rank == 0 and opts.events:
                 append_event(opts.events, "step", state.global_step)
-            if opts.step_seconds:
+            stop = stop_step(opts.stop_file) if opts.stop_file else None
+            if stop is not None and state.global_step >= stop:
+                control.should_training_stop = True
+            elif opts.step_seconds:
                 time.sleep(opts.step_seconds)
 
     callbacks: list[Any] = [Pace()]

@@ -12,7 +12,9 @@ Run it under tidal (``tidal submit --zygote-preload lightning --min-nodes 2
 ``torchrun``. ``--step-seconds`` paces the steps (a sleep after each);
 ``--events FILE`` makes rank 0 append one JSON line per step (``{"kind":
 "step", "step", "world_size", "node", "time"}``) and one as training starts
-(``"kind": "start"``, the step it resumed from), which tests/bench/bench_frameworks.py reads.
+(``"kind": "start"``, the step it resumed from), which tests/support/frameworks.py reads
+(the benchmark and the end-to-end tests); ``--stop-file FILE`` ends a job of
+unknown length: once FILE holds a step number, every rank stops after it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def append_event(path: str, kind: str, step: int) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def stop_step(path: str) -> int | None:
+    """The step ``--stop-file`` names, once it exists (None before)."""
+    try:
+        return int(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="ModelCheckpoint's directory is OUT/ckpt")
@@ -43,6 +53,9 @@ def main() -> None:
                         help="ModelCheckpoint(every_n_train_steps=N, save_last=True)")
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--events", default="", help="rank 0 appends its steps here (JSON lines)")
+    parser.add_argument("--stop-file", default="",
+                        help="once this file holds a step number, every rank stops after "
+                             "that step (how a test ends a job of unknown length)")
     parser.add_argument("--no-callback", action="store_true",
                         help="a plain Lightning script: no TidalCallback, no TidalEnvironment")
     args = parser.parse_args()
@@ -67,7 +80,8 @@ def main() -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Pace(pl.Callback):  # type: ignore[misc]
-        """Rank 0's steps to ``--events``; a sleep after each step (``--step-seconds``)."""
+        """Rank 0's steps to ``--events``; a sleep after each step (``--step-seconds``);
+        the stop at ``--stop-file``'s step."""
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             if rank == 0 and args.events:
@@ -76,7 +90,10 @@ def main() -> None:
         def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
             if rank == 0 and args.events:
                 append_event(args.events, "step", trainer.global_step)
-            if args.step_seconds:
+            stop = stop_step(args.stop_file) if args.stop_file else None
+            if stop is not None and trainer.global_step >= stop:
+                trainer.should_stop = True
+            elif args.step_seconds:
                 time.sleep(args.step_seconds)
 
     ckpt_dir = Path(args.out, "ckpt")
