@@ -18,10 +18,11 @@ Layout (``P`` is the root prefix, ``/tidal`` by default)::
     P/rdzv/<job>/store/<key>        the c10d Store of that rendezvous
     P/rdzv/<job>/assigned/m/join/<node>  the agents' rendezvous (rendezvous.elastic.assigned):
     P/rdzv/<job>/assigned/m/lost/<node>  a node's join record, a dead incarnation (its ring
-    P/rdzv/<job>/assigned/ctl/state      peer's word), the round's state, its writer (leader),
-    P/rdzv/<job>/assigned/ctl/leader     the mark of a finished job, and each member's rank
-    P/rdzv/<job>/assigned/ctl/closed     in the round (read by that member only)
-    P/rdzv/<job>/assigned/rank/<node>
+    P/rdzv/<job>/assigned/ctl/state      peer's word), the round's state, the mark of a
+    P/rdzv/<job>/assigned/ctl/closed     finished job, the round's writer (leader: outside
+    P/rdzv/<job>/assigned/leader         ctl/, watched by the leader and its deputy only), and
+    P/rdzv/<job>/assigned/rank/<node>    each member's rank in the round, and the round's
+    P/rdzv/<job>/assigned/roster/<chunk> members in rank order (read by a new leader)
     P/rdzv/<job>/store/<round>/<key>     the c10d store of each of its rounds
     P/election/<name>/<lease>       leader election candidates
 """
@@ -231,14 +232,16 @@ class Keys:
         return self.assigned_lost_prefix(run_id) + validate_id(node_id, what="node id")
 
     def assigned_ctl_prefix(self, run_id: str) -> str:
-        """What every member watches: three small keys."""
+        """What every member watches: two small keys (the state, closed)."""
         return self.assigned_prefix(run_id) + "ctl/"
 
     def assigned_state(self, run_id: str) -> str:
         return self.assigned_ctl_prefix(run_id) + "state"
 
     def assigned_leader(self, run_id: str) -> str:
-        return self.assigned_ctl_prefix(run_id) + "leader"
+        """The round leader's key: outside ``ctl/``, so that only the leader and its
+        deputy watch it (a change of leader costs the other members no event)."""
+        return self.assigned_prefix(run_id) + "leader"
 
     def assigned_closed(self, run_id: str) -> str:
         return self.assigned_ctl_prefix(run_id) + "closed"
@@ -248,6 +251,16 @@ class Keys:
 
     def assigned_rank(self, run_id: str, node_id: str) -> str:
         return self.assigned_ranks_prefix(run_id) + validate_id(node_id, what="node id")
+
+    def assigned_roster_prefix(self, run_id: str) -> str:
+        """The round's members in rank order, in chunks: read by a leader taking over."""
+        return self.assigned_prefix(run_id) + "roster/"
+
+    def assigned_roster(self, run_id: str, chunk: int) -> str:
+        if chunk < 0:
+            raise ValueError(f"roster chunk ({chunk}) must be >= 0")
+        # Zero-padded so that etcd's byte order is the chunks' order.
+        return f"{self.assigned_roster_prefix(run_id)}{chunk:06d}"
 
     def round_store_prefix(self, run_id: str, round_: int) -> str:
         if round_ < 0:

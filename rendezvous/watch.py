@@ -103,6 +103,12 @@ class PrefixWatcher:
         name: what is watched, for log lines and the thread name.
         backoff_initial_s / backoff_max_s: the wait before re-listing after a
             failure, doubling from the first to the second.
+        resume: ``(keys, revision)``: the prefix as the caller knows it at store
+            revision ``revision`` (from a record another process wrote; synthetic
+            ``create_revision`` 0 is fine): the first listing is skipped, those keys
+            are delivered as ``put`` events and the watch starts at ``revision + 1``.
+            A failure after that (a compacted revision included) re-lists as usual,
+            and the diff delivers the keys as they really are.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class PrefixWatcher:
         name: str | None = None,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 2.0,
+        resume: tuple[list[KeyValue], int] | None = None,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError(
@@ -133,6 +140,7 @@ class PrefixWatcher:
         self._stopped = threading.Event()
         self._synced = threading.Event()
         self._thread: threading.Thread | None = None
+        self._resume = resume
         self.relists = 0  # listings after the first: each one a recovery
         self.callback_errors = 0
 
@@ -204,7 +212,11 @@ class PrefixWatcher:
         backoff = self._backoff_initial
         while not self._stopped.is_set():
             try:
-                self._list()
+                resume, self._resume = self._resume, None
+                if resume is None:
+                    self._list()
+                else:
+                    self._start_from(*resume)
                 self._watch()
                 backoff = self._backoff_initial  # a clean end: re-list at once
             except EtcdCompactedError as exc:
@@ -245,6 +257,15 @@ class PrefixWatcher:
             if self._stopped.is_set():
                 return
             self._apply(event)
+        with self._lock:
+            self._revision = revision
+        self._synced.set()
+
+    def _start_from(self, kvs: list[KeyValue], revision: int) -> None:
+        for kv in kvs:
+            if self._stopped.is_set():
+                return
+            self._apply(_as_event("put", kv, revision=revision))
         with self._lock:
             self._revision = revision
         self._synced.set()

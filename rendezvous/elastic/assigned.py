@@ -78,6 +78,7 @@ from rendezvous.elastic.assigned_state import (
     Peer,
     RankRecord,
     StateRecord,
+    derive_rank,
     holds_lost,
     member_change,
     next_roster,
@@ -104,14 +105,16 @@ LOST_ROUND_WAIT_S = 5.0
 MASTER_KEY = "TIDAL_MASTER"  # the round store's key of rank 0's {"addr", "port"}
 
 
-def _store_info(rank: int, store: EtcdV3Store, addr: str) -> RendezvousStoreInfo:
+def _store_info(rank: int, store: EtcdV3Store, addr: str, after: int) -> RendezvousStoreInfo:
     """What torch's ``RendezvousStoreInfo.build`` does (rank 0 puts its address and a free
     port in the round's store, every node reads them), in one write and one read of one
     key: rank 0 puts ``MASTER_KEY`` (torch's ``MASTER_ADDR`` and ``MASTER_PORT`` too, in the
     same transaction, for whoever reads those), the others read it (and, when they come
     first, wait for it on one watch whose event carries the value). Two sets and two gets,
     each get waiting on a watch of its own, cost every member of a large job about 300
-    bytes from etcd and two watch events a round.
+    bytes from etcd and two watch events a round. ``after``: the revision the round's
+    state was written at (0: unknown); rank 0 puts the key after it, so the others watch
+    from there at once instead of reading first (:meth:`EtcdV3Store.get_after`).
     """
     if rank == 0:
         port: int = get_free_port()  # type: ignore[no-untyped-call]
@@ -121,7 +124,7 @@ def _store_info(rank: int, store: EtcdV3Store, addr: str) -> RendezvousStoreInfo
             [json.dumps({"addr": addr, "port": port}), addr, str(port)],
         )
         return RendezvousStoreInfo(master_addr=addr, master_port=port)
-    master = json.loads(store.get(MASTER_KEY))
+    master = json.loads(store.get_after(MASTER_KEY, after))
     return RendezvousStoreInfo(master_addr=str(master["addr"]), master_port=int(master["port"]))
 
 
@@ -189,6 +192,8 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._state: StateRecord | None = None
         self._leader: tuple[str, int] | None = None  # (node, create revision) of ctl/leader
         self._leader_gone_at = time.monotonic()
+        self._progress_at = time.monotonic()  # when the last new round's state came
+        self._round_rev = (0, 0)  # (round, the revision its state was written at; 0: unknown)
         self._closed = False
         self._mine = 0  # the number of the round this node is in; 0: none
         self._rank: RankRecord | None = None  # this node's record in that round
@@ -204,6 +209,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
         self._server: LivenessServer | None = None
         self._monitor: PeerMonitor | None = None
         self._watcher: PrefixWatcher | None = None
+        self._leader_watcher: PrefixWatcher | None = None  # the leader and deputy only
         self._leading: RoundLeader | None = None
         self._seat: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -438,6 +444,12 @@ class AssignedRendezvousHandler(RendezvousHandler):
         with self._cond:
             if self._checked >= state.round:
                 return
+            previous = self._latest if self._checked == state.round - 1 else None
+            derived, record = (False, None) if previous is None else derive_rank(previous, state)
+            if derived:  # no read: the leader said this node's record follows from its last
+                self._checked, self._latest = state.round, record
+                self._cond.notify_all()
+                return
             if self._reading >= state.round:
                 if wait:
                     self._cond.wait(REEVALUATE_S)
@@ -481,7 +493,10 @@ class AssignedRendezvousHandler(RendezvousHandler):
             self._client, self._keys.round_store_prefix(self._run_id, state.round),
             timeout=self._store_timeout,
         )
-        bootstrap = _store_info(rank.rank, store, self._addr)
+        with self._cond:
+            number, revision = self._round_rev
+        bootstrap = _store_info(rank.rank, store, self._addr,
+                                revision if number == state.round else 0)
         assert self._monitor is not None
         self._monitor.watch({p.member.node: (p.member.addr, p.member.port) for p in rank.ring})
         log.info("round %d: rank %d of %d", state.round, rank.rank, state.world)
@@ -518,42 +533,108 @@ class AssignedRendezvousHandler(RendezvousHandler):
         if event.key == self._state_key:
             if event.kind == "put":
                 state = StateRecord.from_json(event.value)
+                if self._state is None or state.round > self._state.round:
+                    self._progress_at = time.monotonic()
+                    # The revision the round's state was written at, if this is that
+                    # write (a pending change is put later, in the same round): the round
+                    # store's key comes after it (_store_info watches from it).
+                    self._round_rev = (state.round, event.mod_revision
+                                       if state.pending is None else 0)
                 if self._state is None or state.round >= self._state.round:
                     self._state = state
             return
-        if event.key == self._leader_key:
+        if event.key == self._closed_key:
+            self._closed = event.kind == "put"
+
+    def _on_leader_event(self, event: WatchEvent) -> None:
+        with self._cond:
+            if event.key != self._leader_key:
+                return
             if event.kind == "put":
                 self._leader = (event.value.decode(), event.create_revision)
             else:
                 self._leader, self._leader_gone_at = None, time.monotonic()
-        elif event.key == self._closed_key:
-            self._closed = event.kind == "put"
+            self._cond.notify_all()
+
+    def _watch_leader(self, state: StateRecord | None) -> bool:
+        """Watch ``ctl/leader``'s successor key (outside ``ctl/``) while this node leads, is
+        the deputy, or there is no state yet; stop otherwise. Returns whether this node
+        knows the leader key now (watching, and synced)."""
+        want = (state is None or self._node in (state.leader, state.deputy)
+                or self._leading is not None)
+        watcher = self._leader_watcher
+        if want and watcher is None:
+            self._leader_watcher = watcher = PrefixWatcher(
+                self._client, self._leader_key, on_event=self._on_leader_event,
+                name=f"rdzv-leader-key {self._node}",
+            ).start()
+        elif not want and watcher is not None:
+            self._leader_watcher = None
+            watcher.stop(timeout=5)
+            with self._cond:
+                self._leader = None
+            return False
+        return watcher is not None and watcher.synced
+
+    def _needs_leader(self, state: StateRecord | None) -> bool:
+        """Whether this node (not watching the leader key) waits for a round that only a
+        leader can form: it asked for a later round, or saw a ring peer die."""
+        number = state.round if state is not None else 0
+        with self._cond:
+            lost = bool(self._lost) and number <= self._mine
+        return self._join.wanted > number or lost
 
     def _keep_seat(self) -> None:
-        """Lead while this node holds ctl/leader; take it when it is free and this node
-        is the deputy (or nobody leads yet, or nobody took it for ``lease_ttl_s``)."""
+        """Lead while this node holds the leader key; take it when it is free and this node
+        is the deputy (or nobody leads yet, or nobody took it for ``lease_ttl_s``).
+
+        Only the leader and its deputy watch the leader key (and every member before the
+        first state): a change of leader costs the others nothing. A member that waits
+        for a round (it asked for one, or a ring peer died) and sees none come for
+        ``lease_ttl_s`` reads the key, and takes it if it is free: the deputy died too.
+        """
         while not self._stopped.is_set():
             with self._cond:
                 self._cond.wait(REEVALUATE_S)
-                leader, state, gone_at = self._leader, self._state, self._leader_gone_at
+                state = self._state
                 unread = state is not None and state.round > max(self._mine, self._checked)
             if unread:  # the watch's read of this node's rank record failed: again
                 assert state is not None
                 self._check_latest(state)
+            if self._stopped.is_set():
+                break
+            knows = self._watch_leader(state)
+            with self._cond:
+                leader, gone_at = self._leader, self._leader_gone_at
             leading = self._leading
-            if leading is not None and (not leading.leading or leader is None
-                                        or leader[1] != leading.create_revision):
+            if leading is not None and (not leading.leading or (knows and (
+                    leader is None or leader[1] != leading.create_revision))):
                 leading.stop()
                 self._leading = leading = None
-            if leader is None and not self._stopped.is_set() and (
-                state is None or self._node in (state.leader, state.deputy)
-                or time.monotonic() - gone_at > self._campaign_after_s()
-            ):
-                self._campaign()
-                with self._cond:  # the others try again after another grace, not in a herd
-                    self._leader_gone_at = time.monotonic()
-            elif leader is not None and leader[0] == self._node and leading is None:
-                self._lead(leader[1])
+            if knows:
+                if leader is None and (
+                    state is None or self._node in (state.leader, state.deputy)
+                    or time.monotonic() - gone_at > self._campaign_after_s()
+                ):
+                    self._campaign()
+                    with self._cond:  # the others try again after another grace, not a herd
+                        self._leader_gone_at = time.monotonic()
+                elif leader is not None and leader[0] == self._node and leading is None:
+                    self._lead(leader[1])
+            elif (self._needs_leader(state)
+                  and time.monotonic() - self._progress_at > self._campaign_after_s()):
+                with self._cond:
+                    self._progress_at = time.monotonic()  # once per grace, not a herd
+                try:
+                    free = self._client.get(self._leader_key) is None
+                except EtcdError as exc:
+                    log.warning("cannot read the round leader's key: %s", exc)
+                    continue
+                if free:
+                    self._campaign()
+        watcher, self._leader_watcher = self._leader_watcher, None
+        if watcher is not None:
+            watcher.stop(timeout=5)
 
     def _campaign_after_s(self) -> float:
         """How long a member that is not the deputy leaves the leader key free: a

@@ -23,20 +23,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 
 from rendezvous.elastic.assigned_rounds import Change, JoinRecord, Member, RoundRecord
 from rendezvous.elastic.assigned_state import (
     Decision,
     Peer,
     RankRecord,
+    Roster,
     StateRecord,
     chunks,
     decide,
     deputy_of,
+    gone_ranks,
+    rereads,
     ring_of,
 )
 from rendezvous.errors import EtcdError
-from rendezvous.etcd import Compare, Delete, EtcdClient, Put, TxnOp, WatchEvent
+from rendezvous.etcd import Compare, Delete, EtcdClient, KeyValue, Put, TxnOp, WatchEvent
 from rendezvous.keys import Keys
 from rendezvous.lease import LeaseCache
 from rendezvous.watch import PrefixWatcher
@@ -85,14 +89,20 @@ class RoundLeader:
         self._joins: dict[str, JoinRecord] = {}
         self._leases: dict[str, int] = {}
         self._dead: set[str] = set()
+        self._seen = 0  # the last revision of m/ applied to the view above
+        # The view the last decision was made on: joins, their leases, dead incarnations,
+        # the revision of m/ it reflects (what the roster hands to a successor).
+        self._view: tuple[dict[str, JoinRecord], dict[str, int], set[str], int] = ({}, {}, set(), 0)
         self._current: RoundRecord | None = None
+        # The current round's rank records by node (None: not known, its members read).
+        self._ranks: dict[str, RankRecord] | None = None
+        self._roster_chunks = 0  # how many roster chunks the last round wrote
         self._published: Change | None = None
         self._waiting_since: float | None = None
         self._expected_at = -1.0
         self._expected_now: frozenset[str] = frozenset()
         self._done = threading.Event()
-        self._watcher = PrefixWatcher(client, keys.assigned_members_prefix(run_id),
-                                      on_event=self._on_event, name=f"rdzv-leader-watch {node}")
+        self._watcher: PrefixWatcher | None = None
         self._thread = threading.Thread(target=self._run, name=f"rdzv-leader {node}", daemon=True)
 
     def start(self) -> RoundLeader:
@@ -108,7 +118,9 @@ class RoundLeader:
         self._done.set()
         with self._cond:
             self._cond.notify_all()
-        self._watcher.stop(timeout=5)
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.stop(timeout=5)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
@@ -116,11 +128,8 @@ class RoundLeader:
 
     def _run(self) -> None:
         try:
-            self._watcher.start()
-            while not self._watcher.wait_synced(1.0):
-                if self._done.is_set():
-                    return
-            self._current = self._read_current()
+            if not self._take_over():
+                return
             log.info("node %s leads the rendezvous of job %s from round %d", self._node,
                      self._run_id, self._current.round if self._current else 0)
             while not self._done.is_set():
@@ -134,18 +143,83 @@ class RoundLeader:
             log.exception("the round leader of job %s failed", self._run_id)
             self._done.set()
 
+    def _watch(self, resume: tuple[list[KeyValue], int] | None) -> PrefixWatcher:
+        watcher = PrefixWatcher(self._client, self._keys.assigned_members_prefix(self._run_id),
+                                on_event=self._on_event, name=f"rdzv-leader-watch {self._node}",
+                                resume=resume)
+        with self._cond:
+            if self._done.is_set():
+                raise _Stopped
+            self._watcher = watcher
+        return watcher.start()
+
+    def _take_over(self) -> bool:
+        """Start from the last round: its state and roster (O(N) small entries), then the
+        changes of ``m/`` since its leader formed it (:class:`Roster`); without a roster,
+        every join record and rank record (the first round, or a leader's partial write).
+        False: stopped meanwhile."""
+        try:
+            kv = self._client.get(self._keys.assigned_state(self._run_id))
+            state = StateRecord.from_json(kv.value) if kv is not None else None
+            roster = None
+            if state is not None:
+                kvs, _ = self._client.get_prefix(self._keys.assigned_roster_prefix(self._run_id))
+                roster = Roster.parse([kv.value for kv in kvs], state.round, state.world)
+                self._roster_chunks = len(kvs)
+            if roster is not None and roster.seen > 0:
+                self._current = RoundRecord(roster.round, roster.members)
+                self._ranks = {
+                    m.node: RankRecord(roster.round, i, m, ring_of(roster.members,
+                                                                   roster.leases, i))
+                    for i, m in enumerate(roster.members)}
+                with self._cond:
+                    self._seen = roster.seen
+                watcher = self._watch((self._view_of(roster), roster.seen))
+            else:
+                watcher = self._watch(None)
+            while not watcher.wait_synced(1.0):
+                if self._done.is_set():
+                    return False
+            if roster is None or roster.seen <= 0:
+                self._current = self._read_current()
+        except _Stopped:
+            return False
+        return True
+
+    def _view_of(self, roster: Roster) -> list[KeyValue]:
+        """``m/`` as the last leader saw it when it formed ``roster``'s round: a join
+        record for each member (a member of that round wanted no later one and was not
+        leaving) and each node outside it, a lost mark for each dead incarnation."""
+        def kv(key: str, value: bytes, lease: int) -> KeyValue:
+            return KeyValue(key, value, 0, 0, 0, lease)
+
+        run = self._run_id
+        view = [kv(self._keys.assigned_join(run, m.node),
+                   JoinRecord(m, roster.round).to_json(), roster.leases.get(m.node, 0))
+                for m in roster.members]
+        for join, lease, dead in roster.outside:
+            node = join.member.node
+            view.append(kv(self._keys.assigned_join(run, node), join.to_json(), lease))
+            if dead:
+                view.append(kv(self._keys.assigned_lost(run, node),
+                               join.member.incarnation.encode(), 0))
+        return view
+
     def _read_current(self) -> RoundRecord | None:
-        """The last round, from the state and the rank records (once, when taking over)."""
+        """The last round, from the state and the rank records."""
         kv = self._client.get(self._keys.assigned_state(self._run_id))
         if kv is None:
             return None
         state = StateRecord.from_json(kv.value)
-        return RoundRecord(state.round, read_round(self._client, self._keys, self._run_id,
-                                                   state.round))
+        ranks = read_ranks(self._client, self._keys, self._run_id, state.round)
+        if len(ranks) == state.world and [r.rank for r in ranks] == list(range(state.world)):
+            self._ranks = {r.member.node: r for r in ranks}
+        return RoundRecord(state.round, tuple(r.member for r in ranks))
 
     def _decide(self) -> Decision:
         with self._cond:
             joins, dead = dict(self._joins), set(self._dead)
+            self._view = (joins, dict(self._leases), dead, self._seen)
         low, high = self._bounds()
         decision = decide(self._current, joins, dead, frozenset(), min_nodes=low, max_nodes=high)
         if decision.members is None:
@@ -185,22 +259,34 @@ class RoundLeader:
         assert decision.members is not None
         members = decision.members
         target = (self._current.round if self._current else 0) + 1
-        with self._cond:
-            leases = dict(self._leases)
+        joins, leases, dead, seen = self._view
         lease = self._records.get()
-        ops: list[TxnOp] = [
-            Put(self._keys.assigned_rank(self._run_id, m.node),
-                RankRecord(target, i, m, ring_of(members, leases, i)).to_json(), lease)
-            for i, m in enumerate(members)
-        ]
+        records = {m.node: RankRecord(target, i, m, ring_of(members, leases, i))
+                   for i, m in enumerate(members)}
+        ops: list[TxnOp] = [Put(self._keys.assigned_rank(self._run_id, node), r.to_json(), lease)
+                            for node, r in records.items()]
         staying = {m.node for m in members}
         ops += [Delete(self._keys.assigned_rank(self._run_id, n))
                 for n in (self._current.nodes() if self._current else ()) if n not in staying]
+        outside = tuple((j, leases.get(n, 0), j.member.incarnation in dead)
+                        for n, j in sorted(joins.items()) if n not in staying)
+        roster = Roster(target, members, leases, seen, outside).chunks()
+        ops += [Put(self._keys.assigned_roster(self._run_id, i), value, lease)
+                for i, value in enumerate(roster)]
+        ops += [Delete(self._keys.assigned_roster(self._run_id, i))
+                for i in range(len(roster), self._roster_chunks)]
         for chunk in chunks(list(ops)):
             if not self._write(chunk):  # type: ignore[arg-type]
                 return
         state = StateRecord(target, len(members), why=decision.change, leader=self._node,
                             deputy=deputy_of(members, self._node))
+        if self._current is not None and self._ranks is not None:
+            # The members of the last round derive their records but for those named.
+            gone = gone_ranks(self._current.members, members)
+            state = replace(state, derive=True, gone=gone)
+            previous = tuple(self._ranks[m.node] for m in self._current.members
+                             if m.node in self._ranks)
+            state = replace(state, reread=rereads(previous, records, state))
         last: list[TxnOp] = [Put(self._keys.assigned_state(self._run_id), state.to_json(), lease)]
         if target > 2:  # the store of two rounds ago has no reader left
             last.append(Delete(self._keys.round_store_prefix(self._run_id, target - 2),
@@ -209,6 +295,8 @@ class RoundLeader:
             log.info("round %d complete: %d members%s", target, len(members),
                      f" ({decision.change.kind})" if decision.change else "")
             self._current = RoundRecord(target, members)
+            self._ranks = records
+            self._roster_chunks = len(roster)
             self._published = None
             self._waiting_since = None
 
@@ -226,6 +314,7 @@ class RoundLeader:
 
     def _on_event(self, event: WatchEvent) -> None:
         with self._cond:
+            self._seen = max(self._seen, event.mod_revision)
             try:
                 self._apply(event)
             except (ValueError, KeyError, TypeError) as exc:
@@ -250,9 +339,15 @@ class RoundLeader:
             self._dead.add(event.value.decode())
 
 
-def read_round(client: EtcdClient, keys: Keys, run_id: str, round_: int) -> tuple[Member, ...]:
-    """The members of round ``round_`` in rank order, from their rank records (O(N):
-    read by a leader taking over, and by ``participants`` once per round)."""
+class _Stopped(Exception):
+    """The leader was stopped while taking over."""
+
+
+def read_ranks(client: EtcdClient, keys: Keys, run_id: str, round_: int) -> (
+    tuple[RankRecord, ...]
+):
+    """The rank records of round ``round_`` in rank order (O(N): read by a leader taking
+    over, and by ``participants`` when it cannot derive the roster)."""
     kvs, _ = client.get_prefix(keys.assigned_ranks_prefix(run_id))
     ranks = []
     for kv in kvs:
@@ -262,7 +357,12 @@ def read_round(client: EtcdClient, keys: Keys, run_id: str, round_: int) -> tupl
             continue
         if rank.round == round_:
             ranks.append(rank)
-    return tuple(r.member for r in sorted(ranks, key=lambda r: r.rank))
+    return tuple(sorted(ranks, key=lambda r: r.rank))
+
+
+def read_round(client: EtcdClient, keys: Keys, run_id: str, round_: int) -> tuple[Member, ...]:
+    """The members of round ``round_`` in rank order, from their rank records."""
+    return tuple(r.member for r in read_ranks(client, keys, run_id, round_))
 
 
 def mark_lost(client: EtcdClient, keys: Keys, run_id: str, records: LeaseCache, peer: Peer, *,
@@ -283,4 +383,4 @@ def mark_lost(client: EtcdClient, keys: Keys, run_id: str, records: LeaseCache, 
         log.warning("cannot mark node %s lost (%s): its lease will", peer.member.node, exc)
 
 
-__all__ = ["RECORD_TTL_S", "RoundLeader", "mark_lost", "read_round"]
+__all__ = ["RECORD_TTL_S", "RoundLeader", "mark_lost", "read_ranks", "read_round"]

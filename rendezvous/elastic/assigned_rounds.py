@@ -57,7 +57,7 @@ class JoinRecord:
         data: dict[str, object] = {"round": self.round, **self.member.to_dict()}
         if self.leaving:
             data["leaving"] = True
-        return json.dumps(data).encode()
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> JoinRecord:

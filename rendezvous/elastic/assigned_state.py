@@ -58,6 +58,13 @@ class StateRecord:
     ``pending``: a change of round ``round`` that cannot form the next one yet
     (fewer than min_nodes, or assigned nodes not come). ``leader``/``deputy``:
     who writes rounds, and who takes over at once when it is lost.
+
+    ``derive``: a member of round ``round - 1`` may derive its rank record in this
+    round from its own previous one (:func:`derive_rank`) instead of reading it, unless
+    it is named in ``reread`` (its ring changed, or it would derive wrongly); ``gone``:
+    the ranks in round ``round - 1`` of its members not in this round, which the others'
+    ranks close up over. False: everyone reads (the leader did not know the last
+    round's rings).
     """
 
     round: int
@@ -66,18 +73,37 @@ class StateRecord:
     pending: Change | None = None
     leader: str = ""
     deputy: str = ""
+    derive: bool = False
+    gone: tuple[int, ...] = ()
+    reread: frozenset[str] = frozenset()
 
     def to_json(self) -> bytes:
-        return json.dumps({"round": self.round, "world": self.world, "why": _change_to(self.why),
-                           "pending": _change_to(self.pending), "leader": self.leader,
-                           "deputy": self.deputy}).encode()
+        # Every member receives this on each change: compact, no empty fields.
+        data: dict[str, object] = {"round": self.round, "world": self.world}
+        if self.why is not None:
+            data["why"] = _change_to(self.why)
+        if self.pending is not None:
+            data["pending"] = _change_to(self.pending)
+        if self.leader:
+            data["leader"] = self.leader
+        if self.deputy:
+            data["deputy"] = self.deputy
+        if self.derive:
+            data["derive"] = {"gone": list(self.gone), "reread": sorted(self.reread)}
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> StateRecord:
         raw = json.loads(data)
+        derive = raw.get("derive")
+        gone: tuple[int, ...] = ()
+        reread: frozenset[str] = frozenset()
+        if isinstance(derive, dict):
+            gone = tuple(int(g) for g in derive["gone"])
+            reread = frozenset(str(n) for n in derive["reread"])
         return cls(int(raw["round"]), int(raw["world"]), _change_from(raw.get("why")),
                    _change_from(raw.get("pending")), str(raw.get("leader", "")),
-                   str(raw.get("deputy", "")))
+                   str(raw.get("deputy", "")), isinstance(derive, dict), gone, reread)
 
 
 @dataclass(frozen=True)
@@ -101,13 +127,78 @@ class RankRecord:
         return json.dumps({
             "round": self.round, "rank": self.rank, **self.member.to_dict(),
             "ring": [{**p.member.to_dict(), "lease": p.lease} for p in self.ring],
-        }).encode()
+        }, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> RankRecord:
         raw = json.loads(data)
         ring = tuple(Peer(Member.from_dict(p), int(p["lease"])) for p in raw["ring"])
         return cls(int(raw["round"]), int(raw["rank"]), Member.from_dict(raw), ring)
+
+
+#: Members per roster chunk (``roster/<chunk>``: ~60 bytes a member, so ~60 KB a key).
+ROSTER_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Roster:
+    """What a leader taking over starts from: the last round's members in rank order with
+    their join records' leases, and the rest of the leader's view when it formed that
+    round: ``seen``, the last revision of ``m/`` it had applied (0: unknown), and
+    ``outside``, the join records of nodes not in the round (waiting, leaving, or of a
+    dead incarnation: ``(record, lease, dead)``). With it, the successor watches ``m/``
+    from ``seen + 1`` instead of reading every join record (and every rank record)."""
+
+    round: int
+    members: tuple[Member, ...]
+    leases: Mapping[str, int]
+    seen: int = 0
+    outside: tuple[tuple[JoinRecord, int, bool], ...] = ()
+
+    def chunks(self) -> list[bytes]:
+        """The values of its chunks (``roster/<i>``), at most :data:`ROSTER_CHUNK`
+        members each; the first also carries ``seen`` and ``outside``."""
+        values = []
+        for first in range(0, max(len(self.members), 1), ROSTER_CHUNK):
+            data: dict[str, object] = {"round": self.round, "first": first, "members": [
+                [m.node, m.incarnation, m.addr, m.port, self.leases.get(m.node, 0)]
+                for m in self.members[first:first + ROSTER_CHUNK]
+            ]}
+            if first == 0:
+                data["seen"] = self.seen
+                data["outside"] = [[json.loads(j.to_json()), lease, dead]
+                                   for j, lease, dead in self.outside]
+            values.append(json.dumps(data, separators=(",", ":")).encode())
+        return values
+
+    @classmethod
+    def parse(cls, values: list[bytes], round_: int, world: int) -> Roster | None:
+        """Round ``round_``'s roster from its chunks' values (in key order; chunks of
+        other rounds are skipped); None unless they add up to ``world`` members."""
+        members: list[Member] = []
+        leases: dict[str, int] = {}
+        seen = 0
+        outside: tuple[tuple[JoinRecord, int, bool], ...] = ()
+        try:
+            for value in values:
+                raw = json.loads(value)
+                if int(raw["round"]) != round_:
+                    continue
+                if int(raw["first"]) != len(members):
+                    return None
+                if "seen" in raw:
+                    seen = int(raw["seen"])
+                    outside = tuple((JoinRecord.from_json(json.dumps(j).encode()), int(lease),
+                                     dead is True) for j, lease, dead in raw["outside"])
+                for node, incarnation, addr, port, lease in raw["members"]:
+                    members.append(Member.from_dict({"node": node, "incarnation": incarnation,
+                                                     "addr": addr, "port": port}))
+                    leases[str(node)] = int(lease)
+        except (ValueError, KeyError, TypeError):
+            return None
+        if len(members) != world:
+            return None
+        return cls(round_, tuple(members), leases, seen, outside)
 
 
 def ring_of(members: tuple[Member, ...], leases: Mapping[str, int], index: int,
@@ -215,6 +306,52 @@ def member_change(node: str, mine: int, state: StateRecord | None, in_latest: bo
         if nodes or state.pending.kind != LEAVING:
             return Change(state.pending.kind, nodes)
     return None
+
+
+def derive_rank(previous: RankRecord, state: StateRecord) -> tuple[bool, RankRecord | None]:
+    """A member's rank record in ``state``'s round, from its record in the round before.
+
+    Returns:
+        ``(True, record)``: derived (``record`` None: the member is not in the round);
+        ``(False, None)``: not derivable, the member reads its rank record.
+
+    Derivable when ``state`` is the next round, the leader says so (``derive``) and does
+    not name the member in ``reread``. A member that the change names as lost or leaving
+    is not in the round; any other keeps its ring and its place, closed up over the
+    ``gone`` ranks (:func:`order_members` keeps the old order and appends newcomers).
+    The leader checks every member's derivation against what it wrote (:func:`rereads`),
+    so a derived record is the one a read would give.
+    """
+    node = previous.member.node
+    if not state.derive or state.round != previous.round + 1 or node in state.reread:
+        return False, None
+    why = state.why
+    if why is not None and why.kind in (LOST, LEAVING) and node in why.nodes:
+        return True, None
+    rank = previous.rank - sum(1 for g in state.gone if g < previous.rank)
+    return True, RankRecord(state.round, rank, previous.member, previous.ring)
+
+
+def rereads(previous: tuple[RankRecord, ...], current: Mapping[str, RankRecord],
+            state: StateRecord) -> frozenset[str]:
+    """The members of the last round (``previous``, their rank records) that would
+    derive a wrong record for ``state``'s round (``current``: the new rank records by
+    node; ``state`` without ``reread``): those whose ring changed, a node back under
+    another incarnation, a member cut by a lower ``max_nodes``. The leader names them
+    in ``reread``; they read their records, the others derive them."""
+    wrong = set()
+    for record in previous:
+        node = record.member.node
+        ok, derived = derive_rank(record, state)
+        if not ok or derived != current.get(node):
+            wrong.add(node)
+    return frozenset(wrong)
+
+
+def gone_ranks(previous: tuple[Member, ...], members: tuple[Member, ...]) -> tuple[int, ...]:
+    """The ranks in the last round of its members that are not in the new one."""
+    staying = {m.node for m in members}
+    return tuple(i for i, m in enumerate(previous) if m.node not in staying)
 
 
 def holds_lost(rank: RankRecord, lost: frozenset[str] | set[str]) -> frozenset[str]:

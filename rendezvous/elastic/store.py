@@ -211,6 +211,27 @@ class EtcdV3Store(Store):
     def get(self, key: str) -> bytes:  # type: ignore[override]
         return self._wait_get([key], None)[0]
 
+    def get_after(self, key: str, revision: int) -> bytes:
+        """``get(key)`` for a key known to be put after store revision ``revision``
+        (or not yet): one watch from ``revision + 1``, whose event carries the value,
+        without the read that ``get`` makes first (which finds nothing when the key
+        comes later). Falls back to ``get`` when ``revision`` is 0 (unknown), compacted
+        away, or the watch fails.
+        """
+        if revision > 0:
+            store_timeout: datetime.timedelta = self.timeout  # type: ignore[attr-defined]
+            deadline = time.monotonic() + store_timeout.total_seconds()
+            full = self._key(key)
+            try:
+                got = self._watch_until({full}, revision + 1, deadline)
+            except DistStoreError as exc:
+                log.info("etcd-v3 store: watching %s from revision %d failed (%s); reading",
+                         key, revision + 1, exc)
+            else:
+                if full in got:
+                    return got[full]
+        return self.get(key)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
         return self._wait_get(keys, None)
 

@@ -220,3 +220,39 @@ def test_diff_snapshots_reports_changes_deletes_and_recreations() -> None:
         ("put", "e", 9),
     ]
     assert diff_snapshots(new, new, revision=11) == []
+
+
+def test_resumed_from_a_known_view_it_replays_only_what_changed_since(
+    etcd_client: EtcdClient,
+) -> None:
+    # A round leader taking over starts from the view its predecessor wrote (#24): no
+    # listing; the keys it is handed come as puts, then every change after the revision.
+    prefix = etcd_client.keys.nodes_prefix()
+    etcd_client.put(prefix + "a", b"a0")
+    seen = etcd_client.put(prefix + "b", b"b0")
+    etcd_client.put(prefix + "c", b"c0")  # after the view: replayed
+    etcd_client.delete(prefix + "a")
+    view = [KeyValue(prefix + "a", b"a0", 0, 0, 0, 0), KeyValue(prefix + "b", b"b0", 0, 0, 0, 0)]
+    recorder = Recorder()
+    with PrefixWatcher(etcd_client, prefix, on_event=recorder, resume=(view, seen)) as watcher:
+        assert watcher.wait_synced(timeout=5)
+        wait_for(lambda: len(recorder.events) >= 4, timeout=5, what="the view and 2 changes")
+        assert recorder.kinds(prefix) == [("put", "a", b"a0"), ("put", "b", b"b0"),
+                                          ("put", "c", b"c0"), ("delete", "a", b"")]
+        assert recorder.model == etcd_contents(etcd_client, prefix)
+        assert watcher.relists == 0
+
+
+def test_resumed_from_a_compacted_revision_it_relists_and_converges(
+    etcd_client: EtcdClient,
+) -> None:
+    prefix = etcd_client.keys.nodes_prefix()
+    seen = etcd_client.put(prefix + "a", b"a0")
+    etcd_client.put(prefix + "a", b"a1")
+    etcd_client.compact(etcd_client.put(prefix + "b", b"b0"))
+    recorder = Recorder()
+    view = [KeyValue(prefix + "a", b"a0", 0, 0, 0, 0), KeyValue(prefix + "z", b"gone", 0, 0, 0, 0)]
+    with PrefixWatcher(etcd_client, prefix, on_event=recorder, resume=(view, seen)) as watcher:
+        wait_for(lambda: recorder.model == etcd_contents(etcd_client, prefix), timeout=10,
+                 what="convergence after a resume from a compacted revision")
+        assert watcher.relists == 1

@@ -121,9 +121,13 @@ def test_each_member_reads_its_rank_record_once_a_round(
     make: Make, etcd_config: EtcdConfig, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The watch's thread, the round's waiter and the seat may each find the rank record
-    # unread at once: one read per member and round (#24: each read is ~400 bytes from
-    # etcd, for every member of every round). Three rounds: a, b and c in all three, d
-    # in the last two, e in the last. (Before: 7, 7, 7, 6, 4.)
+    # unread at once: at most one read per member and round (#24: each read is ~400 bytes
+    # from etcd, for every member of every round), and none where the member derives it
+    # from its last (its ring unchanged). Three rounds: a, b and c in all three, d in the
+    # last two, e in the last. a (ring b, c all along) reads once; b's ring changes when d
+    # comes (c, a -> c, d), c's twice (a, b -> d, a -> d, e), d's when e comes (a, b ->
+    # e, a); a newcomer reads the round it finds and its own. (Before: 7, 7, 7, 6, 4;
+    # one read a round: 3, 3, 3, 3, 2.)
     reads: dict[str, int] = {}
     real_get = EtcdClient.get
     ranks = Keys(etcd_config.root).assigned_ranks_prefix(JOB)
@@ -148,7 +152,7 @@ def test_each_member_reads_its_rank_record_once_a_round(
         assert {i.world_size for i in infos} == {len(handlers)}
     key = Keys(etcd_config.root).assigned_rank
     # (a newcomer also reads the round it finds, in case it is in it: a restarted runner)
-    assert [reads.get(key(JOB, n)) for n in "abcde"] == [3, 3, 3, 3, 2], reads
+    assert [reads.get(key(JOB, n)) for n in "abcde"] == [1, 2, 3, 3, 2], reads
 
 
 def test_a_newcomer_restarts_the_round_and_the_old_ranks_stay(make: Make) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,16 +18,21 @@ from rendezvous.elastic.assigned_rounds import (
     RoundRecord,
 )
 from rendezvous.elastic.assigned_state import (
+    ROSTER_CHUNK,
     TXN_OPS,
     Peer,
     RankRecord,
+    Roster,
     StateRecord,
     chunks,
     decide,
     deputy_of,
+    derive_rank,
+    gone_ranks,
     holds_lost,
     member_change,
     next_roster,
+    rereads,
     ring_of,
 )
 
@@ -180,3 +187,83 @@ def test_the_next_roster_follows_from_the_last_and_the_change_or_is_read() -> No
     assert next_roster(roster, 4, StateRecord(5, 3, why=Change(LOST, frozenset({"c"})))) is None
     assert next_roster(roster, 3, lost) is None  # a round skipped
     assert next_roster(frozenset(), 4, lost) is None  # the first: read
+
+
+def test_a_state_that_lets_members_derive_reads_back_and_stays_compact() -> None:
+    state = StateRecord(5, 3, why=Change(LOST, frozenset({"d"})), leader="a", deputy="b",
+                        derive=True, gone=(3,), reread=frozenset({"b", "c"}))
+    assert StateRecord.from_json(state.to_json()) == state
+    plain = StateRecord(5, 3)
+    assert StateRecord.from_json(plain.to_json()) == plain
+    assert b" " not in plain.to_json() and b"pending" not in plain.to_json()
+
+
+def write_round(previous: tuple[Member, ...], members: tuple[Member, ...], round_: int,
+                why: Change | None) -> tuple[dict[str, RankRecord], StateRecord]:
+    """What the leader writes: the rank records and a state naming who must read."""
+    leases = {m.node: 7 for m in (*previous, *members)}
+    old = {m.node: RankRecord(round_ - 1, i, m, ring_of(previous, leases, i))
+           for i, m in enumerate(previous)}
+    new = {m.node: RankRecord(round_, i, m, ring_of(members, leases, i))
+           for i, m in enumerate(members)}
+    state = StateRecord(round_, len(members), why=why, derive=True,
+                        gone=gone_ranks(previous, members))
+    state = replace(state, reread=rereads(tuple(old.values()), new, state))
+    return old, state
+
+
+@given(st.integers(2, 40), st.data())
+def test_every_member_derives_the_record_the_leader_wrote_or_is_told_to_read(
+    n: int, data: st.DataObject,
+) -> None:
+    previous = tuple(member(f"n{i:02d}") for i in range(n))
+    lost = data.draw(st.sets(st.sampled_from([m.node for m in previous]), max_size=n - 1))
+    newcomers = tuple(member(f"z{i}") for i in range(data.draw(st.integers(0, 3))))
+    kind = LOST if lost else WAITING
+    members = tuple(m for m in previous if m.node not in lost) + newcomers
+    why = Change(kind, frozenset(lost) if lost else frozenset(m.node for m in newcomers))
+    leases = {m.node: 7 for m in (*previous, *members)}
+    new = {m.node: RankRecord(9, i, m, ring_of(members, leases, i)) for i, m in enumerate(members)}
+    old, state = write_round(previous, members, 9, why)
+    for node, record in old.items():
+        ok, derived = derive_rank(record, state)
+        if ok:
+            assert derived == new.get(node)
+        else:
+            assert node in state.reread
+    # a ring changes only around a change: the rereads do not grow with n
+    assert len(state.reread) <= 2 * (len(lost) + 1) + 2
+
+
+def test_a_kill_makes_only_the_dead_members_ring_predecessors_read() -> None:
+    previous = tuple(member(f"n{i}") for i in range(8))
+    members = previous[:5] + previous[6:]  # n5 died
+    _, state = write_round(previous, members, 3, Change(LOST, frozenset({"n5"})))
+    assert state.gone == (5,) and state.reread == {"n3", "n4"}
+    old = RankRecord(2, 7, previous[7], ())
+    assert derive_rank(old, state) == (True, RankRecord(3, 6, previous[7], ()))
+    dead = RankRecord(2, 5, previous[5], ())
+    assert derive_rank(dead, state) == (True, None)  # superseded, whatever it believes
+    assert derive_rank(RankRecord(1, 7, previous[7], ()), state) == (False, None)  # a gap
+    assert derive_rank(old, StateRecord(3, 7)) == (False, None)  # the leader did not say
+
+
+def test_the_roster_reads_back_in_chunks_with_the_leaders_view() -> None:
+    members = tuple(member(f"n{i:05d}") for i in range(ROSTER_CHUNK + 5))
+    leases = {m.node: i for i, m in enumerate(members)}
+    outside = ((join("w", 3), 11, False), (join("x", 2, inc="old"), 12, True))
+    roster = Roster(4, members, leases, 99, outside)
+    values = roster.chunks()
+    assert len(values) == 2
+    assert Roster.parse(values, 4, len(members)) == roster
+    assert Roster.parse(values, 5, len(members)) is None  # another round's
+    assert Roster.parse(values[1:], 4, len(members)) is None  # a gap
+    assert Roster.parse(values, 4, len(members) + 1) is None
+
+
+def test_the_roster_stays_small_at_sixteen_thousand_members() -> None:
+    members = tuple(Member(f"node-{i:05d}-{'x' * 40}", "10.0.0.1", 65535, "0123456789ab")
+                    for i in range(16_000))
+    values = Roster(9, members, {m.node: 2**62 for m in members}, 2**40).chunks()
+    assert len(values) == -(-16_000 // ROSTER_CHUNK)
+    assert max(len(v) for v in values) < 150_000
