@@ -67,6 +67,27 @@ _MAX_PATIENCE = 8  # an unanswered keep-alive's wait doubles after each failure,
 _COALESCE_S = 0.05  # keep-alives due this close together leave in one pass
 
 
+class KeepAliveTrace:
+    """When each keep-alive of this process was due, sent and answered, and each loss:
+    where a lease's seconds went (#24's soak). Off unless a benchmark sets
+    :attr:`KeepAlives.trace`; the hub appends under its own lock (a few tuples per
+    keep-alive, nothing else).
+
+    ``sends``: ``(lease, due, sent)``; ``answers``: ``(lease, sent, answered, ttl)``;
+    ``wakes``: ``(meant, woke)`` of the sending thread's timed sleeps; ``losses``:
+    ``(lease, declared, expires_at, in_flight_since or None, last_sent, last_answered)``.
+    Times are ``time.monotonic()``.
+    """
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[int, float, float]] = []
+        self.answers: list[tuple[int, float, float, int]] = []
+        self.wakes: list[tuple[float, float]] = []
+        self.losses: list[tuple[int, float, float, float | None, float, float]] = []
+        self.last_sent: dict[int, float] = {}
+        self.last_answered: dict[int, float] = {}
+
+
 def _cluster_of(config: EtcdConfig) -> str:
     """What makes two clients' keep-alives shareable: the same members and credentials."""
     secret = config.password.get_secret_value() if config.password is not None else ""
@@ -87,6 +108,7 @@ class KeepAlives:
 
     _hubs: ClassVar[dict[str, KeepAlives]] = {}
     _hubs_lock: ClassVar[threading.Lock] = threading.Lock()
+    trace: ClassVar[KeepAliveTrace | None] = None  # a benchmark's record; None: off
 
     def __init__(self, config: EtcdConfig, cluster: str) -> None:
         self._config = config
@@ -208,6 +230,9 @@ class KeepAlives:
                 elif now + _COALESCE_S >= keeper._next_due:
                     keeper._sent_at = now
                     due.append(lease_id)
+                    if (trace := KeepAlives.trace) is not None:
+                        trace.sends.append((lease_id, keeper._next_due, now))
+                        trace.last_sent[lease_id] = now
                 else:
                     wake = min(wake, keeper._next_due)
             stream = self._stream
@@ -231,13 +256,20 @@ class KeepAlives:
     def _pause(self, seconds: float) -> None:
         with self._cond:
             if not self._stopping and not self._broken:
-                self._cond.wait(seconds)
+                meant = time.monotonic() + seconds
+                if not self._cond.wait(seconds) and (trace := KeepAlives.trace) is not None:
+                    trace.wakes.append((meant, time.monotonic()))
 
     def _declare_overdue(self, now: float) -> None:
         with self._cond:
             overdue = [k for k in self._keepers.values() if now >= k._expires_at]
             for keeper in overdue:
                 del self._keepers[keeper.lease_id]
+                if (trace := KeepAlives.trace) is not None:
+                    lease = keeper.lease_id
+                    trace.losses.append((lease, now, keeper._expires_at, keeper._sent_at,
+                                         trace.last_sent.get(lease, 0.0),
+                                         trace.last_answered.get(lease, 0.0)))
         for keeper in overdue:
             keeper._declare_lost(f"no keep-alive succeeded for {keeper.ttl_s} s")
 
@@ -276,6 +308,10 @@ class KeepAlives:
             if stream is not self._stream or keeper is None or keeper._sent_at is None:
                 return  # an answer from an ended stream, or for a closed keeper
             self._patience, self._retry_s = 1, _FIRST_RETRY_S
+            if (trace := KeepAlives.trace) is not None:
+                answered = time.monotonic()
+                trace.answers.append((lease_id, keeper._sent_at, answered, ttl))
+                trace.last_answered[lease_id] = answered
             if ttl <= 0:
                 del self._keepers[lease_id]
             else:

@@ -446,6 +446,10 @@ class AssignedRendezvousHandler(RendezvousHandler):
                 return
             previous = self._latest if self._checked == state.round - 1 else None
             derived, record = (False, None) if previous is None else derive_rank(previous, state)
+            if self._join.wanted == 0:
+                # This incarnation has put no join record yet (``wanted`` is set before
+                # the put): no round can hold it, nothing to read.
+                derived, record = True, None
             if derived:  # no read: the leader said this node's record follows from its last
                 self._checked, self._latest = state.round, record
                 self._cond.notify_all()

@@ -32,6 +32,13 @@ etcd has gone quiet:
   CPU of each member's threads (their names end in the node id), from each worker's
   ``/proc/self/task``; ``process_cpu_ms``: the workers' CPU (gRPC's own threads too);
 * ``leases_lost``: keepers that declared their lease lost (a crashed member's not counted);
+* ``keepalive`` (per worker process, over the change) and ``keepalive_run`` (since the
+  worker started): where its keep-alives' time went (``rendezvous.lease.KeepAliveTrace``):
+  how late each was sent after it was due (``send_late_ms``), sent to answered
+  (``answer_ms``), how late the sending thread woke from its timed sleeps, how late a
+  thread that sleeps 50 ms woke (``probe_late_ms``: the process's own starvation, CPU and
+  interpreter lock), and each lease given up: whether its last keep-alive was in flight or
+  never sent, and whether etcd still held it when asked afterwards (``lost_still_on_etcd``);
 * ``dropped``: survivors not back in the round of the right size by the deadline, or
   whose handler failed; ``world_exact``: every survivor's every round since the act has
   the new size; ``formation_s``: the act to the last survivor back.
@@ -391,6 +398,9 @@ def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]
         "error": back["error"],
         "load_average": round(os.getloadavg()[0], 1),
         "settled_before": settled,
+        # per worker process: where its keep-alives' time went (scale_member.keepalive_report)
+        "keepalive": [r["keepalive"] for r in measured.values()],
+        "keepalive_run": [r["keepalive_run"] for r in measured.values()],
     }
 
 

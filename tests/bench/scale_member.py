@@ -44,7 +44,7 @@ from grpc import _common as grpc_common
 
 from rendezvous.elastic.assigned import AssignedRendezvousHandler
 from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
-from rendezvous.lease import LeaseKeeper
+from rendezvous.lease import KeepAlives, KeepAliveTrace, LeaseKeeper
 
 POLL_S = 0.1  # agent/runner/elastic.py's monitor_interval
 IDLE_WAKE_S = 5.0  # how often a thread blocked on gRPC wakes with nothing to do (below)
@@ -75,12 +75,83 @@ grpc_common.MAXIMUM_WAIT_TIMEOUT = IDLE_WAKE_S
 
 _leases_lost = [0]
 _real_declare_lost = LeaseKeeper._declare_lost
+# Where each keep-alive's time went in this process (rendezvous.lease.KeepAliveTrace), and
+# for each lease this process gave up on, what etcd said of it afterwards: (lease, TTL
+# left; -1: gone). A lease etcd still held was given up by this process's clock alone.
+_trace = KeepAlives.trace = KeepAliveTrace()
+_lost_on_etcd: list[tuple[int, int]] = []
+# How late this process's threads get the CPU and the interpreter lock: a thread that
+# sleeps PROBE_S and records how much longer it slept, (when it woke, lateness).
+PROBE_S = 0.05
+_probe: list[tuple[float, float]] = []
+
+
+def _probe_loop() -> None:
+    while True:
+        meant = time.monotonic() + PROBE_S
+        time.sleep(PROBE_S)
+        woke = time.monotonic()
+        _probe.append((woke, woke - meant))
+
+
+def _ask_etcd(client: EtcdClient, lease: int) -> None:
+    try:
+        _lost_on_etcd.append((lease, client.lease_ttl(lease)))
+    except Exception:  # (etcd busy: not known)
+        _lost_on_etcd.append((lease, -2))
 
 
 def _counting_declare_lost(self: LeaseKeeper, why: str) -> None:
     if not self._closed.is_set() and not self._lost.is_set():
         _leases_lost[0] += 1  # a crashed member's keeper is closed first: not counted
+        if why.startswith("no keep-alive"):
+            threading.Thread(target=_ask_etcd, args=(self._client, self.lease_id),
+                             daemon=True).start()
     _real_declare_lost(self, why)
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    """p50, p99 and max of ``values`` in milliseconds (0 when empty)."""
+    if not values:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": round(1000 * at(0.5), 1), "p99": round(1000 * at(0.99), 1),
+            "max": round(1000 * ordered[-1], 1)}
+
+
+def keepalive_report(mark: tuple[int, int, int, int, int, int]) -> dict[str, Any]:
+    """Where this process's keep-alives' time went since ``mark`` (the lengths of the
+    trace's lists, the probe's and the etcd checks' then)."""
+    sends, answers, wakes, losses, probe, checks = mark
+    t = _trace
+    lost = t.losses[losses:]
+    on_etcd = _lost_on_etcd[checks:]
+    return {
+        "sent": len(t.sends) - sends,
+        "send_late_ms": _quantiles([max(0.0, sent - due) for _, due, sent in t.sends[sends:]]),
+        "answer_ms": _quantiles([answered - sent for _, sent, answered, _ in t.answers[answers:]]),
+        "sender_wake_late_ms": _quantiles([woke - meant for meant, woke in t.wakes[wakes:]]),
+        "probe_late_ms": _quantiles([late for _, late in _probe[probe:]]),
+        "losses": len(lost),
+        # the keep-alive that would have kept it was sent and not answered in time / not sent
+        "lost_in_flight": sum(1 for loss in lost if loss[3] is not None),
+        "lost_unsent": sum(1 for loss in lost if loss[3] is None),
+        "lost_answer_age_s": _quantiles([loss[1] - loss[5] for loss in lost if loss[5]]),
+        "lost_in_flight_for_s": _quantiles([loss[1] - loss[3] for loss in lost
+                                            if loss[3] is not None]),
+        "lost_still_on_etcd": sum(1 for _, ttl in on_etcd if ttl > 0),
+        "lost_gone_on_etcd": sum(1 for _, ttl in on_etcd if ttl == -1),
+    }
+
+
+def trace_mark() -> tuple[int, int, int, int, int, int]:
+    t = _trace
+    return (len(t.sends), len(t.answers), len(t.wakes), len(t.losses), len(_probe),
+            len(_lost_on_etcd))
 
 
 LeaseKeeper._declare_lost = _counting_declare_lost  # type: ignore[method-assign]
@@ -281,6 +352,7 @@ class Worker:
     def __init__(self, swarm: Swarm) -> None:
         self.swarm = swarm
         self._mark: tuple[dict[str, float], int, int, float] = ({}, 0, 0, 0.0)
+        self._trace_mark = trace_mark()
 
     def handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         swarm = self.swarm
@@ -297,6 +369,7 @@ class Worker:
                     "pending": sum(1 for m in members if m.handler.pending_change() is not None)}
         if op == "mark":
             self._mark = (thread_cpu(), _connects[0], _leases_lost[0], time.process_time())
+            self._trace_mark = trace_mark()
             return {}
         if op == "measure":
             cpu0, conn0, lost0, proc0 = self._mark
@@ -307,6 +380,8 @@ class Worker:
                 "connects": _connects[0] - conn0, "leases_lost": _leases_lost[0] - lost0,
                 "process_cpu_ms": 1000 * (time.process_time() - proc0),
                 "threads": threading.active_count(),
+                "keepalive": keepalive_report(self._trace_mark),
+                "keepalive_run": keepalive_report((0, 0, 0, 0, 0, 0)),
             }
         member = swarm.members.get(args.get("node", ""))
         if op == "crash" and member is not None:
@@ -348,6 +423,7 @@ def main(argv: list[str]) -> None:
     # Replies go on a private copy of stdout; anything else printed goes to stderr.
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    threading.Thread(target=_probe_loop, name="sched-probe", daemon=True).start()
     serve(Swarm(args.endpoint, args.root, args.clients), sys.stdin, replies)
 
 

@@ -126,8 +126,8 @@ def test_each_member_reads_its_rank_record_once_a_round(
     # from its last (its ring unchanged). Three rounds: a, b and c in all three, d in the
     # last two, e in the last. a (ring b, c all along) reads once; b's ring changes when d
     # comes (c, a -> c, d), c's twice (a, b -> d, a -> d, e), d's when e comes (a, b ->
-    # e, a); a newcomer reads the round it finds and its own. (Before: 7, 7, 7, 6, 4;
-    # one read a round: 3, 3, 3, 3, 2.)
+    # e, a); a newcomer reads its own round only (the round it finds cannot hold it: it
+    # had put no join record). (Before: 7, 7, 7, 6, 4; one read a round: 3, 3, 3, 3, 2.)
     reads: dict[str, int] = {}
     real_get = EtcdClient.get
     ranks = Keys(etcd_config.root).assigned_ranks_prefix(JOB)
@@ -151,8 +151,7 @@ def test_each_member_reads_its_rank_record_once_a_round(
         handlers.append(late)
         assert {i.world_size for i in infos} == {len(handlers)}
     key = Keys(etcd_config.root).assigned_rank
-    # (a newcomer also reads the round it finds, in case it is in it: a restarted runner)
-    assert [reads.get(key(JOB, n)) for n in "abcde"] == [1, 2, 3, 3, 2], reads
+    assert [reads.get(key(JOB, n)) for n in "abcde"] == [1, 2, 3, 2, 1], reads
 
 
 def test_a_newcomer_restarts_the_round_and_the_old_ranks_stay(make: Make) -> None:
