@@ -19,18 +19,20 @@ others read O(1) small records (:mod:`rendezvous.elastic.assigned_state`). Who
 writes, watches and fences which key under ``P/rdzv/<job>/assigned/``: the table in
 docs/architecture.md ("One writer per round"); the keys in :mod:`rendezvous.keys`. In
 short: join records (``m/join/<node>``, under each runner's lease) and lost marks
-(``m/lost/<node>``) are watched by the leader only; ``ctl/`` (state, leader, closed)
-by every member; ``rank/<node>`` is read by its node once per round;
-and each round gets a fresh c10d store at ``P/rdzv/<job>/store/<round>/``
-(:class:`~rendezvous.elastic.store.EtcdV3Store`).
+(``m/lost/<node>``) are watched by the leader only; ``ctl/`` (state, closed)
+by every member; ``leader`` by the leader and its deputy; ``rank/<node>`` is read by its
+node only when the state names it (its ring changed) or for its first round, the others
+derive it from their last (:func:`~rendezvous.elastic.assigned_state.derive_rank`);
+``roster/`` by a leader taking over; and each round gets a fresh c10d store at
+``P/rdzv/<job>/store/<round>/`` (:class:`~rendezvous.elastic.store.EtcdV3Store`).
 
 Liveness is a ring: each member holds a connection to :data:`RING_K` successors
 in rank order (kept across rounds), and marks a peer whose connection dropped
-``m/lost/<peer>`` (deleting ``ctl/leader`` too if the peer led): the leader
+``m/lost/<peer>`` (deleting the leader key too if the peer led): the leader
 forms the next round at once. A hung or cut-off member is caught by its lease,
 whose end deletes its join record (and its leader key). When the leader key is
-gone the deputy named in the state takes it at once; any member does after
-``lease_ttl_s`` with no leader.
+gone the deputy named in the state (which watches it) takes it at once; a member
+that waits ``lease_ttl_s`` for a round reads the key and takes it if it is free.
 
 A round's members learn that it is obsolete through :meth:`pending_change`
 (:func:`rendezvous.elastic.assigned_state.member_change`): the next round was
@@ -190,7 +192,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
 
         self._cond = threading.Condition()
         self._state: StateRecord | None = None
-        self._leader: tuple[str, int] | None = None  # (node, create revision) of ctl/leader
+        self._leader: tuple[str, int] | None = None  # (node, create revision) of the leader key
         self._leader_gone_at = time.monotonic()
         self._progress_at = time.monotonic()  # when the last new round's state came
         self._round_rev = (0, 0)  # (round, the revision its state was written at; 0: unknown)
@@ -405,7 +407,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
             self._seat.join(timeout=5)
         if self._leading is not None:
             self._leading.stop()
-        self._join.close()  # revokes the lease: deletes the join record (and ctl/leader)
+        self._join.close()  # revokes the lease: deletes the join record (and the leader key)
         for part in (self._monitor, self._server):
             if part is not None:
                 part.close()
@@ -561,7 +563,7 @@ class AssignedRendezvousHandler(RendezvousHandler):
             self._cond.notify_all()
 
     def _watch_leader(self, state: StateRecord | None) -> bool:
-        """Watch ``ctl/leader``'s successor key (outside ``ctl/``) while this node leads, is
+        """Watch the leader key (outside ``ctl/``) while this node leads, is
         the deputy, or there is no state yet; stop otherwise. Returns whether this node
         knows the leader key now (watching, and synced)."""
         want = (state is None or self._node in (state.leader, state.deputy)

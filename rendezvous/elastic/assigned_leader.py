@@ -1,8 +1,8 @@
 """The round leader of the assigned rendezvous: the one member that writes rounds.
 
-A member leads while it holds ``ctl/leader``, a key it created (compare on create
+A member leads while it holds ``leader``, a key it created (compare on create
 revision 0) under its join record's lease. Every write of the leader is guarded by
-``Compare(ctl/leader, "create", "==", R)`` where R is that key's create revision: a
+``Compare(leader, "create", "==", R)`` where R is that key's create revision: a
 leader whose lease ended (hung, cut off) or whose key was deleted by a ring peer that
 saw it die is deposed, and its writes fail on that compare, whatever it believes.
 
@@ -55,7 +55,7 @@ EXPECTED_EVERY_S = 1.0
 
 
 class RoundLeader:
-    """Write rounds while this node holds ``ctl/leader`` at ``create_revision``.
+    """Write rounds while this node holds the leader key at ``create_revision``.
 
     Args:
         client: the runner's etcd client.

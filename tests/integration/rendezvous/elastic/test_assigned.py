@@ -410,3 +410,42 @@ def test_a_deposed_leader_cannot_write_and_another_member_takes_over(
     wait_for(a.pending_change, timeout=20, what="a to see c leave")
     assert [i.world_size for i in together(a, b)] == [2, 2]
     assert a.is_leader() or b.is_leader()
+
+
+def crash(handler: AssignedRendezvousHandler) -> None:
+    """What a SIGKILL does to a member: its sockets close and its keep-alives stop; nothing
+    is revoked or deleted (etcd and its peers find out by themselves)."""
+    h: Any = handler
+    h._stopped.set()
+    if h._leading is not None:
+        h._leading.stop()
+    for part in (h._server, h._monitor):
+        part.close()
+    h._join._lease.close(revoke=False)
+    for watcher in (h._watcher, h._leader_watcher):
+        if watcher is not None:
+            watcher.stop(timeout=5)
+
+
+def test_with_the_leader_and_its_deputy_dead_a_waiting_member_takes_over(make: Make) -> None:
+    # Only the leader and its deputy watch the leader key (#24): when both die, a member
+    # that waits a lease's TTL for a round reads the key once it is free and leads.
+    nodes = ("a", "b", "c", "d")
+    handlers = {n: make(n, expected=set(nodes), max_nodes=4, min_nodes=2) for n in nodes}
+    assert {i.world_size for i in together(*handlers.values())} == {4}
+    state = handlers["a"]._state
+    assert state is not None and state.leader and state.deputy
+    watching = {n for n, h in handlers.items() if h._leader_watcher is not None}
+    wait_for(lambda: {n for n, h in handlers.items()
+                      if h._leader_watcher is not None} == {state.leader, state.deputy},
+             timeout=10, what=f"only the leader and the deputy to watch its key ({watching})")
+    for node in (state.leader, state.deputy):
+        crash(handlers.pop(node))
+    survivors = list(handlers.values())
+    for h in survivors:
+        h._expected_nodes = lambda: set(handlers)  # as the coordinator does
+    wait_for(lambda: all(h.pending_change() for h in survivors), timeout=10,
+             what="the survivors to see their peers die")
+    infos = together(*survivors)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert sum(h.is_leader() for h in survivors) == 1
