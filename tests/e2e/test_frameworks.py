@@ -39,6 +39,7 @@ one led to (a few steps at 0.05 s), and waited for on conditions with deadlines.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,6 +106,7 @@ def _run(up: Up, framework: str, callback: bool, out: Path, *,
          events: Callable[[Up, Job], list[Measured]]) -> tuple[list[Measured], str]:
     """One job through ``events``, then told to stop: it must end SUCCEEDED."""
     job = Job(up, job_spec(framework, callback, out, PACE), out, PACE)
+    began = time.monotonic()
     measured: list[Measured] = []
     try:
         measured = events(up, job)
@@ -113,6 +115,8 @@ def _run(up: Up, framework: str, callback: bool, out: Path, *,
         raise AssertionError(f"{exc}\n{_explain(job, measured)}\n"
                              f"tidal up's log:\n{up.log_tail()}") from exc
     explained = _explain(job, measured)
+    print(f"\n{job.id}: {time.monotonic() - began:.0f} s from submit to {ended['phase']} "
+          f"(1-min load {os.getloadavg()[0]:.1f})\n{explained}")  # shown by pytest -s / -rP
     assert ended["phase"] == "SUCCEEDED", (ended, explained)
     return measured, explained
 
