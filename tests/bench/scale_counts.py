@@ -401,6 +401,20 @@ def one_change(fleet: Fleet, endpoint: str, kind: str, n: int) -> dict[str, Any]
         # per worker process: where its keep-alives' time went (scale_member.keepalive_report)
         "keepalive": [r["keepalive"] for r in measured.values()],
         "keepalive_run": [r["keepalive_run"] for r in measured.values()],
+        **keepalive_columns([r["keepalive"] for r in measured.values()]),
+    }
+
+
+def keepalive_columns(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' keep-alive reports in a few columns: the worst answer, send and
+    50-ms-sleeper lateness of any worker, and how the leases given up were lost."""
+    return {
+        "ka_answer_max_ms": max((r["answer_ms"]["max"] for r in reports), default=0.0),
+        "ka_send_late_max_ms": max((r["send_late_ms"]["max"] for r in reports), default=0.0),
+        "probe_late_max_ms": max((r["probe_late_ms"]["max"] for r in reports), default=0.0),
+        "lost_in_flight": sum(r["lost_in_flight"] for r in reports),
+        "lost_unsent": sum(r["lost_unsent"] for r in reports),
+        "lost_still_on_etcd": sum(r["lost_still_on_etcd"] for r in reports),
     }
 
 
@@ -445,7 +459,9 @@ def run_size(endpoint: str, n: int, protocol: str, procs: int) -> list[dict[str,
 SOAK_KINDS = ("kill", "join", "kill-leader", "join", "leave",
               "kill", "join", "kill-leader", "join", "leave")
 SOAK_COLUMNS = ("change", "members", "leases_lost", "false_losses", "world_exact", "dropped",
-                "rounds_seen", "etcd_write_txns", "watch_events", "formation_s")
+                "rounds_seen", "etcd_write_txns", "watch_events", "formation_s",
+                "load_average", "ka_answer_max_ms", "ka_send_late_max_ms", "probe_late_max_ms",
+                "lost_in_flight", "lost_unsent", "lost_still_on_etcd")
 
 
 @contextlib.contextmanager
