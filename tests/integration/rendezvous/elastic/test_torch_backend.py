@@ -201,6 +201,34 @@ def test_store_multi_get_waits_on_one_watch_and_takes_the_values_from_its_events
     assert len(reads) == 1
 
 
+def test_store_get_after_a_revision_watches_without_reading_first(store, etcd_client):
+    # What every member but rank 0 does with the round's master key (#24): rank 0 puts it
+    # after the round's state, so a watch from the state's revision finds it, before or
+    # after it comes, without the read that finds nothing.
+    reads = []
+    real_read = store._read
+
+    def counting_read(keys):
+        reads.append(list(keys))
+        return real_read(keys)
+
+    store._read = counting_read
+    before = etcd_client.put(etcd_client.keys.rdzv_state("other"), b"the round's state")
+    store.set("EARLY", "e")
+    assert store.get_after("EARLY", before) == b"e"  # put before the call: replayed
+    timer = threading.Timer(0.3, store.set, args=("LATE", "l"))
+    timer.start()
+    try:
+        assert store.get_after("LATE", before) == b"l"
+    finally:
+        timer.cancel()
+    assert reads == []
+    assert store.get_after("EARLY", 0) == b"e"  # revision unknown: read
+    etcd_client.compact(etcd_client.put(etcd_client.keys.rdzv_state("other"), b"later"))
+    assert store.get_after("EARLY", before) == b"e"  # compacted: read
+    assert len(reads) == 2
+
+
 def test_store_wait_times_out_with_an_error_naming_the_missing_key(store):
     store.set("present", "1")
     started = time.monotonic()
