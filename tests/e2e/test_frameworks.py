@@ -62,8 +62,9 @@ from tests.support.frameworks import (
 )
 from tests.support.processes import ProcessGroupRegistry
 
+# Deadlines for a loaded machine: at a 1-minute load of 25 on 2 cores a join took 82 s.
 PACE = Pace(step_seconds=0.05, save_steps=10, grace_s=30, steady_steps=5,
-            up_deadline_s=120, event_deadline_s=120)
+            up_deadline_s=180, event_deadline_s=180)
 
 
 def _explain(job: Job, measured: list[Measured]) -> str:
@@ -143,7 +144,7 @@ def _assert_callback_outcome(measured: list[Measured], explained: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_hf_trainer_with_the_callback_redoes_no_completed_step_through_every_event(
     tmp_path: Path,
 ) -> None:
@@ -153,7 +154,7 @@ def test_hf_trainer_with_the_callback_redoes_no_completed_step_through_every_eve
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(600)
 def test_lightning_survives_a_kill_without_the_callback_and_with_it_redoes_no_completed_step(
     tmp_path: Path,
 ) -> None:

@@ -147,7 +147,12 @@ class Up:
              "--state-dir", str(state)],
             log_path=self.log, env=_env(), cwd=REPO,
         )
-        first = wait_for(self.cluster, timeout=deadline_s, what=f"{state}/cluster.json")
+        started = wait_for(lambda: self.process.poll() is not None or load_cluster(state),
+                           timeout=deadline_s, what=f"{state}/cluster.json")
+        if started is True:  # it gave up: say why at once rather than at the deadline
+            raise RuntimeError(f"tidal up exited with {self.process.returncode} while "
+                               f"starting:\n{self.log_tail(8)}")
+        first = self.cluster()
         assert first is not None
         token = Path(str(first.token_file)).read_text().strip()
         self.api = httpx.Client(base_url=first.url, timeout=10,
