@@ -30,12 +30,15 @@ What the callback gives a ``Trainer`` (docs/frameworks.md):
   it logs why and does nothing. ``jit_save=False`` or ``TIDAL_JIT_SAVE=0``
   turns it off.
 
-What it does not do (yet): the live path for planned changes and for failures:
-the Trainer wraps the model in DDP itself (through accelerate) and offers no
-hook to re-form the process group and rebuild the wrapper inside ``train()``,
-so a join, a PATCH or a drain takes the restart path, cleanly (the agreed stop
-loses no completed step), and a peer's death restarts the survivors (after
-their just-in-time save).
+What it does not do: the live path for planned changes and for failures. The
+training loop holds the DDP wrapper in a local variable, accelerate's
+``PartialState`` singleton holds the world size and the rank, and the data
+loader is split by them once per ``train()``: a callback can re-form the
+process group but not rebuild those (docs/frameworks.md, "The live path: where
+it does not hold", with a probe). So the callback never declares the job
+live-capable: a join, a PATCH or a drain takes the restart path, cleanly (the
+agreed stop loses no completed step), and a peer's death restarts the
+survivors (after their just-in-time save).
 
 ``transformers`` is imported when :class:`TidalCallback` is first used, never
 by importing :mod:`checkpoints`.

@@ -30,10 +30,15 @@ torch 2.13, on CPU with gloo.
   ``ZeroRedundancyOptimizer`` it logs why and does nothing. ``jit_save=False``
   or ``TIDAL_JIT_SAVE=0`` turns it off.
 
-Not done: the live path (the strategy owns the DDP wrapper and the process
-group for the whole ``fit``), so a join, a PATCH or a drain takes the restart
-path (cleanly: the agreed stop loses no completed step), and a peer's death
-restarts the survivors after their just-in-time save.
+Not done: the live path. A callback can re-form the process group and re-wrap
+DDP (the strategy reads its ``model`` each step), but the fit loop's
+``DistributedSampler`` and its iterator are built once per ``fit()`` with the
+old world size and rank, the ranks are cached in the cluster environment and
+``rank_zero_only``, and a joining process cannot enter a running ``fit()``
+(docs/frameworks.md, "The live path: where it does not hold", with a probe).
+So the callback never declares the job live-capable: a join, a PATCH or a
+drain takes the restart path (cleanly: the agreed stop loses no completed
+step), and a peer's death restarts the survivors after their just-in-time save.
 
 ``lightning`` is imported when a class here is first used, never by importing
 :mod:`checkpoints`.
