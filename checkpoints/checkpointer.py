@@ -221,8 +221,9 @@ class Checkpointer(LiveResizing):
         if distributed:
             # Private gloo groups: flags and DCP never share the training group, nor each other.
             self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
-            # Flags: stop, a save due by time, the newest live-resize round not acted on.
-            self._consensus = StepConsensus(self._group, width=3)
+            # Flags: stop, a save due by time, the live resize's (checkpoints.live.Flags:
+            # the newest round to act on, the round whose store this rank hosts).
+            self._consensus = StepConsensus(self._group, width=4)
             if self._sharded:
                 self._dcp_group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
 
@@ -362,12 +363,15 @@ class Checkpointer(LiveResizing):
         self._poll_writer()
         stop = self._stop.requested
         time_due = self._time_due()
-        resize_round = self._live.flag() if self._live is not None else 0
+        flags = self._live.flags(world_size=self.world_size) if self._live is not None else None
+        resize_round = flags.go if flags is not None else 0
         if self._consensus is not None:
             try:
-                agreed_stop, agreed_time, resize_round = self._consensus.exchange(
-                    [int(stop), int(time_due), resize_round]
+                agreed_stop, agreed_time, resize_round, hosted = self._consensus.exchange(
+                    [int(stop), int(time_due), *(flags or (0, 0))]
                 )
+                if self._live is not None:
+                    self._live.host_said = hosted
             except Exception as exc:  # a member is lost: its reduction failed
                 if self._recover_in_place(exc) != step:
                     raise LiveResizeError(

@@ -284,6 +284,7 @@ class LivePath:
         except OSError as exc:
             log.warning("cannot write the live resize notice: %s", exc)
             return NOT_CAPABLE
+        log.info("told the workers round %d (world size %d)", round_, notice.world_size)
         deadline = time.monotonic() + self._live_timeout_s
         ack_deadline = lost_since + LOST_ACK_S if lost_since is not None else None
         while True:

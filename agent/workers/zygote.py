@@ -72,6 +72,9 @@ PRELOAD_LATER = (
     "torch._dynamo",  # what the first optimizer step imports: 1.3 s
     "torch.distributed.elastic.multiprocessing.errors",
     "checkpoints",
+    # The checkpointer (and torch.distributed.checkpoint under it, 0.3-1 s): a worker
+    # that joins a running group live makes its checkpointer while the others wait.
+    "checkpoints.checkpointer",
 )
 #: What a name in ENV_PRELOAD must look like to be imported: a dotted module
 #: name of ASCII identifiers (rendezvous.records.MODULE_NAME_PATTERN, which the

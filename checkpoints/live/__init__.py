@@ -72,8 +72,17 @@ from __future__ import annotations
 import dataclasses
 
 from checkpoints.errors import LiveResizeError
-from checkpoints.live.decide import Action, choose_source, decide, pending_round
-from checkpoints.live.group import rejoin
+from checkpoints.live.decide import (
+    HOST_WAIT_S,
+    JOINER_WAIT_S,
+    Action,
+    Flags,
+    choose_source,
+    decide,
+    pending_flags,
+    pending_round,
+)
+from checkpoints.live.group import RoundStore, rejoin
 from checkpoints.live.link import LIVE_NOTICE_WAIT_S, NoticeWatch, WorkerLink, wait_for_notice
 from checkpoints.live.sync import SyncResult, sync_state
 from checkpoints.protocol.live import (
@@ -100,11 +109,14 @@ from checkpoints.protocol.live import (
 
 __all__ = [
     "EXIT_LEFT",
+    "HOST_WAIT_S",
+    "JOINER_WAIT_S",
     "LEAVE_NOTICE",
     "LIVE_NOTICE_WAIT_S",
     "LOST_NOTICE",
     "RESIZE_NOTICE",
     "Action",
+    "Flags",
     "LeaveNotice",
     "LiveResizeError",
     "LiveState",
@@ -112,12 +124,14 @@ __all__ = [
     "NoticeWatch",
     "Resize",
     "ResizeNotice",
+    "RoundStore",
     "SyncResult",
     "WorkerLink",
     "WorkerLive",
     "choose_source",
     "clear_live_files",
     "decide",
+    "pending_flags",
     "pending_round",
     "read_leave_notice",
     "read_lost_notice",

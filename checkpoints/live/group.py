@@ -17,11 +17,12 @@ import socket
 import time
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from checkpoints.errors import LiveResizeError
 from checkpoints.protocol.live import ResizeNotice
 
-__all__ = ["group_timeout", "rejoin"]
+__all__ = ["RoundStore", "group_timeout", "rejoin"]
 
 log = logging.getLogger("checkpoints.live")  # the name it always logged under
 
@@ -40,7 +41,51 @@ def group_timeout() -> datetime.timedelta:
     return _DEFAULT_GROUP_TIMEOUT
 
 
-def rejoin(notice: ResizeNotice, *, local_rank: int) -> tuple[int, int]:
+#: The prefix ``init_process_group`` gives the default group's keys in a store it made
+#: from ``env://`` or ``tcp://`` (a joiner's); a store handed to it gets none of its own.
+_DEFAULT_PG_PREFIX = "default_pg"
+
+
+class RoundStore:
+    """The new group's store, opened by its rank 0 before the old group stops.
+
+    A growing group's rank 0 opens the store of the notice's round as soon as it
+    sees the notice, while it trains on in the old group: a joiner's
+    ``init_process_group`` then connects at its first try (torch's client retries a
+    port that does not listen yet with a back-off of up to a second) and waits there,
+    and rank 0 sees it waiting (:meth:`joiners_waiting`) before the old group stops.
+    :func:`rejoin` hands it to ``init_process_group``.
+
+    Raises:
+        RuntimeError, OSError: when the port cannot be bound (``open``).
+    """
+
+    def __init__(self, notice: ResizeNotice, store: TCPStore) -> None:
+        self.round, self.port = notice.round, notice.master_port
+        self.store = store
+
+    @classmethod
+    def open(cls, notice: ResizeNotice) -> RoundStore:
+        """Listen on the notice's port (every interface, as ``init_process_group`` would)."""
+        store = TCPStore(
+            notice.master_addr, notice.master_port, is_master=True, wait_for_workers=False,
+            timeout=group_timeout(), multi_tenant=True,
+        )
+        return cls(notice, store)
+
+    def joiners_waiting(self, joiners: int) -> bool:
+        """Whether ``joiners`` ranks wait in the store: a rank that waits in gloo's
+        connection of the default group has put its address key (torch 2.13: one key
+        each, and one shared; counting keys says "at least as many ranks", never "fewer
+        than there are": a store with too few keys only delays the re-form, bounded)."""
+        return int(self.store.num_keys()) >= joiners
+
+    def fits(self, notice: ResizeNotice) -> bool:
+        return (self.round, self.port) == (notice.round, notice.master_port)
+
+
+def rejoin(notice: ResizeNotice, *, local_rank: int,
+           store: RoundStore | None = None) -> tuple[int, int]:
     """Leave the current process group and join the one ``notice`` describes.
 
     Destroys every process group of this process (the default one and the
@@ -48,7 +93,8 @@ def rejoin(notice: ResizeNotice, *, local_rank: int) -> tuple[int, int]:
     timeout, and exports the new RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     (and GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE) for code
     that reads the environment later. The caller must have drained every
-    collective in flight.
+    collective in flight. ``store``: the round's store, opened early by this
+    rank (its rank 0); it is used if it is the notice's.
 
     Returns:
         (new rank, new world size).
@@ -80,16 +126,22 @@ def rejoin(notice: ResizeNotice, *, local_rank: int) -> tuple[int, int]:
         env["GROUP_WORLD_SIZE"] = str(notice.group_world_size)
     os.environ.update(env)
     started = time.monotonic()
-    if rank != 0:
-        wait_for_listener(notice.master_addr, notice.master_port,
-                          timeout_s=timeout.total_seconds())
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{_host(notice.master_addr)}:{notice.master_port}",
-        rank=rank,
-        world_size=notice.world_size,
-        timeout=timeout,
-    )
+    if rank == 0 and store is not None and store.fits(notice):
+        dist.init_process_group(
+            backend=backend, store=PrefixStore(_DEFAULT_PG_PREFIX, store.store),
+            rank=rank, world_size=notice.world_size, timeout=timeout,
+        )
+    else:
+        if rank != 0:
+            wait_for_listener(notice.master_addr, notice.master_port,
+                              timeout_s=timeout.total_seconds())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{_host(notice.master_addr)}:{notice.master_port}",
+            rank=rank,
+            world_size=notice.world_size,
+            timeout=timeout,
+        )
     log.info(
         "joined round %d as rank %d of %d in %.2f s",
         notice.round, rank, notice.world_size, time.monotonic() - started,

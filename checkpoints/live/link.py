@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from checkpoints.errors import LiveResizeError
-from checkpoints.live.decide import Action, decide, pending_round
+from checkpoints.live.decide import Action, Flags, decide, pending_flags, pending_round
+from checkpoints.live.group import RoundStore
 from checkpoints.protocol.live import (
     RESIZE_NOTICE,
     LiveState,
@@ -94,14 +95,58 @@ class WorkerLink:
         local_rank: this worker's local rank (its file's name).
     """
 
-    def __init__(self, directory: Path, *, local_rank: int) -> None:
+    def __init__(self, directory: Path, *, local_rank: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.directory, self.local_rank = directory, local_rank
         self.round = 0  # the round this worker last resized into
+        self.host_said = 0  # the newest round a rank said it hosts (the last agreement)
         self._watch = NoticeWatch(directory)
+        self._clock = clock
+        self._seen: tuple[int, float] | None = None  # a notice's round, when first seen
+        self._store: RoundStore | None = None  # the new group's, where this rank hosts it
+        self._store_failed = 0  # the round whose store could not be opened early
 
-    def flag(self) -> int:
-        """This rank's contribution to the agreement (:func:`pending_round`)."""
-        return pending_round(self._watch.current(), self.round)
+    def flags(self, *, world_size: int) -> Flags:
+        """This rank's contribution to the agreement (:func:`pending_flags`): a group that
+        grows trains on until its joiners wait in the new group. Where this rank is the
+        new rank 0, it opens the new group's store now (:class:`RoundStore`)."""
+        notice = self._watch.current()
+        if notice is None or pending_round(notice, self.round) == 0:
+            return Flags(0, 0)
+        if self._seen is None or self._seen[0] != notice.round:
+            self._seen = (notice.round, self._clock())
+        hosting = notice.ranks.get(self.local_rank) == 0
+        grows = notice.world_size > world_size and not notice.lost
+        waiting = False
+        if hosting and grows:
+            store = self._open_store(notice)
+            waiting = store is None or store.joiners_waiting(notice.world_size - world_size)
+        return pending_flags(
+            notice, self.round, world_size=world_size, hosting=hosting,
+            joiners_waiting=waiting, host_said=self.host_said,
+            waited_s=self._clock() - self._seen[1],
+        )
+
+    def _open_store(self, notice: ResizeNotice) -> RoundStore | None:
+        """The notice's round store, opened once (None: it cannot be: re-form at once)."""
+        if self._store is not None and self._store.fits(notice):
+            return self._store
+        self._store = None  # an older round's: closed with its last reference
+        if self._store_failed == notice.round:
+            return None
+        try:
+            self._store = RoundStore.open(notice)
+        except (RuntimeError, OSError) as exc:
+            log.warning("cannot open the store of round %d on port %d early (%s): the group "
+                        "re-forms at once", notice.round, notice.master_port, exc)
+            self._store_failed = notice.round
+        return self._store
+
+    def take_store(self, notice: ResizeNotice) -> RoundStore | None:
+        """The store this rank opened early for ``notice``'s round, handed over once
+        (None: none, or another round's, which is closed)."""
+        store, self._store = self._store, None
+        return store if store is not None and store.fits(notice) else None
 
     def action(self, agreed_round: int) -> Action:
         """What to do now that the ranks agreed on ``agreed_round`` (:func:`decide`)."""

@@ -85,6 +85,8 @@ class LiveResizing:
     # The random generators' states at the last step boundary, and its step: a step
     # discarded after a lost member is taken again from them (see _remember_rng).
     _step_rng: tuple[int, dict[str, Any]] | None = None
+    # When the checkpointer was made (wall clock, monotonic): a joiner's start-up, logged.
+    _made_at: tuple[float, float] = (0.0, 0.0)
     # The checkpointer's methods this part calls.
     _init_distributed: Callable[[], None]
     _make_jit: Callable[[bool], JustInTimeSaver | None]
@@ -98,6 +100,7 @@ class LiveResizing:
 
     def _make_live_link(self, on_resize: Callable[[Resize], None] | None) -> WorkerLink | None:
         """The worker's end of the live-resize files, when the live path can be taken."""
+        self._made_at = (time.time(), time.monotonic())
         directory = os.environ.get(PROGRESS_DIR_ENV)
         distributed = dist.is_available() and dist.is_initialized()
         if on_resize is None or not directory or not distributed:
@@ -168,12 +171,16 @@ class LiveResizing:
         self._quiesce()
         if self._unblock is not None:
             self._unblock.handled()
-        rejoin(notice, local_rank=self._local_rank)
+        quiet = time.monotonic()
+        rejoin(notice, local_rank=self._local_rank, store=self._live.take_store(notice))
+        joined = time.monotonic()
         self._init_distributed()
         self._groups_formed()
         self._progress.rebind(rank=self.rank, world_size=self.world_size)
         self._jit = self._make_jit(self._jit_wanted)
+        formed = time.monotonic()
         synced = self._sync_live()
+        sync_done = time.monotonic()
         if synced.state is not None:
             raise LiveResizeError(
                 f"rank {self.rank} holds step {step} but rank {synced.source} holds "
@@ -187,10 +194,14 @@ class LiveResizing:
         if self._jit is not None:
             self._jit.boundary(step)
         self._live.report(LiveState.RESIZED, step=step)
+        done = time.monotonic()
         log.info(
-            "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s",
+            "resized live at step %d: rank %d of %d (was %d ranks), round %d, in %.2f s "
+            "(notice and drain %.2f s, init_process_group %.2f s, own groups %.2f s, "
+            "state sync %.2f s, on_resize %.2f s)",
             step, self.rank, self.world_size, self._previous_world_size, notice.round,
-            time.monotonic() - started,
+            done - started, quiet - started, joined - quiet, formed - joined,
+            sync_done - formed, done - sync_done,
         )
 
     def _remember_rng(self, step: int) -> None:
@@ -234,7 +245,7 @@ class LiveResizing:
         detected = time.monotonic()
         self._abandon()
         self._previous_world_size = self.world_size
-        rejoin(notice, local_rank=self._local_rank)
+        rejoin(notice, local_rank=self._local_rank, store=self._live.take_store(notice))
         self._init_distributed()
         self._groups_formed()
         self._progress.rebind(rank=self.rank, world_size=self.world_size)
@@ -308,6 +319,7 @@ class LiveResizing:
 
     def _restore_live(self) -> Resume | None:
         """A joining process: take the state of the ranks that train on; None if none does."""
+        asked = time.monotonic()
         synced = self._sync_live()
         state = synced.state
         if state is None:
@@ -321,11 +333,27 @@ class LiveResizing:
         self._last_saved_step = live["last_saved_step"]
         self._last_save_time = time.monotonic()
         self._live_step = synced.step
+        made_wall, made = self._made_at
+        started = _process_started()
         log.info(
-            "joined live at step %d: state received from rank %d (world size %d, was %d)",
+            "joined live at step %d: state received from rank %d (world size %d, was %d); "
+            "process up %s s when its process group and checkpointer were made, "
+            "%.2f s to restore(), state sync %.2f s",
             synced.step, synced.source, self.world_size, live["world_size"],
+            "?" if started is None else f"{made_wall - started:.2f}", asked - made,
+            time.monotonic() - asked,
         )
         return Resume(
             step=synced.step, fresh=False, path=None, saved_world_size=int(live["world_size"]),
             extra=extra,
         )
+
+
+def _process_started() -> float | None:
+    """When this process started (the wall clock, to 10 ms; a zygote's child: its fork)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

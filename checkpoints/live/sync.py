@@ -145,8 +145,6 @@ def sync_state(
             f"({len(source_layout)} tensors): the live state does not fit it"
         )
     with torch.no_grad():
-        for tensor in params.values():
-            _broadcast(tensor, src=source, group=group)
         if rank != source:
             device = torch.device("cuda", torch.cuda.current_device()) if any(
                 slot.cuda for slot in _slots(skeleton)
@@ -154,12 +152,32 @@ def sync_state(
             for slot in _slots(skeleton):
                 where = device if slot.cuda and device is not None else torch.device("cpu")
                 tensors.append(torch.empty(slot.shape, dtype=slot.dtype, device=where))
-        for tensor in tensors:
-            _broadcast(tensor, src=source, group=group)
+        every = [*params.values(), *tensors]
+        _broadcast_all([t for t in every if not t.is_cuda], src=source, group=group)
+        _broadcast_all([t for t in every if t.is_cuda], src=source, group=None)
     state = _fill(skeleton, tensors) if behind else None
     return SyncResult(source=source, step=top, state=state)
 
 
-def _broadcast(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup) -> None:
-    """CPU tensors over the gloo group; device tensors over the default group (NCCL on GPUs)."""
-    dist.broadcast(tensor, src=src, group=group if not tensor.is_cuda else None)
+#: The most bytes one coalesced broadcast of the state sync carries (DDP's own bucket
+#: for its initial broadcast is 250 MB; a smaller one bounds the extra copy).
+BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def _broadcast_all(tensors: list[torch.Tensor], *, src: int,
+                   group: dist.ProcessGroup | None) -> None:
+    """Broadcast ``tensors`` in place from ``src``: a few flat buffers, not a collective
+    per tensor (the model's and the optimizer's dozens or hundreds of tensors each cost a
+    round trip: 0.05 s for a small MLP on a quiet machine, 0.3 s on a loaded one).
+    CPU tensors go over the gloo group, device tensors over the default group (NCCL on
+    GPUs). Uses ``_broadcast_coalesced``, what DDP's constructor broadcasts the model
+    with; one broadcast per tensor where a torch lacks it."""
+    if not tensors:
+        return
+    coalesced = getattr(dist, "_broadcast_coalesced", None)
+    if coalesced is not None:
+        coalesced(group if group is not None else dist.distributed_c10d._get_default_group(),
+                  tensors, BUCKET_BYTES, src)
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, src=src, group=group)

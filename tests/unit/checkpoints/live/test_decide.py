@@ -7,7 +7,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from checkpoints.live import Action, choose_source, decide, pending_round
+from checkpoints.live import (
+    HOST_WAIT_S,
+    JOINER_WAIT_S,
+    Action,
+    Flags,
+    ResizeNotice,
+    choose_source,
+    decide,
+    pending_flags,
+    pending_round,
+)
 from tests.unit.checkpoints.protocol.test_live import notice
 
 
@@ -57,3 +67,51 @@ def test_the_decision_at_a_boundary(
         agreed_round=agreed, current_round=current, leaving=leaving, notice_round=notice_round
     )
     assert got is action
+
+
+def flags(n: ResizeNotice | None, *, current: int = 2, world_size: int = 3, hosting: bool = False,
+          waiting: bool = False, host_said: int = 0, waited: float = 0.0) -> Flags:
+    return pending_flags(n, current, world_size=world_size, hosting=hosting,
+                         joiners_waiting=waiting, host_said=host_said, waited_s=waited)
+
+
+def test_a_notice_that_does_not_grow_the_group_is_acted_on_at_once() -> None:
+    assert flags(None) == (0, 0)
+    assert flags(notice(3, world_size=3)) == (3, 0)  # a join and a leave at once
+    assert flags(notice(3, world_size=2), hosting=True) == (3, 0)  # a leave
+    assert flags(notice(3, world_size=4, lost=True)) == (3, 0)  # a recovery never waits
+    assert flags(notice(2, world_size=4)) == (0, 0)  # acted on already
+
+
+def test_a_growing_group_trains_on_until_its_host_sees_the_joiners_wait() -> None:
+    grows = notice(3, world_size=4)
+    assert flags(grows, hosting=True) == (0, 3)  # says it hosts round 3, not yet
+    assert flags(grows, hosting=True, waiting=True) == (3, 3)
+    assert flags(grows, hosting=True, waited=JOINER_WAIT_S) == (3, 3)  # bounded
+    # The others follow the host once it said so, bounded too.
+    assert flags(grows, host_said=3, waited=HOST_WAIT_S + 1) == (0, 0)
+    assert flags(grows, host_said=3, waited=JOINER_WAIT_S) == (3, 0)
+
+
+def test_where_no_rank_of_the_old_group_hosts_the_new_one_they_act_after_a_moment() -> None:
+    grows = notice(3, world_size=4)
+    assert flags(grows) == (0, 0)  # the host may not have seen its notice yet
+    assert flags(grows, host_said=2, waited=HOST_WAIT_S) == (3, 0)  # an older round's host
+    assert flags(grows, waited=HOST_WAIT_S) == (3, 0)
+
+
+@given(st.integers(1, 9), st.integers(0, 9), st.integers(1, 16), st.integers(1, 16),
+       st.booleans(), st.booleans(), st.booleans(), st.integers(0, 9),
+       st.floats(0, 2 * JOINER_WAIT_S))
+def test_a_rank_never_acts_on_a_round_it_has_no_pending_notice_of_and_always_acts_in_time(
+    round_: int, current: int, old: int, new: int, lost: bool, hosting: bool, waiting: bool,
+    host_said: int, waited: float,
+) -> None:
+    n = notice(round_, world_size=new, lost=lost)
+    go, host = flags(n, current=current, world_size=old, hosting=hosting, waiting=waiting,
+                     host_said=host_said, waited=waited)
+    assert go in (0, pending_round(n, current)) and host in (0, pending_round(n, current))
+    if waited >= JOINER_WAIT_S:
+        assert go == pending_round(n, current)  # no joiner is waited for longer than that
+    if host:
+        assert hosting and new > old and not lost
