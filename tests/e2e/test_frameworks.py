@@ -61,6 +61,7 @@ from tests.support.frameworks import (
     paths,
 )
 from tests.support.processes import ProcessGroupRegistry
+from tests.support.wait import wait_for
 
 # Deadlines for a loaded machine: at a 1-minute load of 25 on 2 cores a join took 82 s.
 PACE = Pace(step_seconds=0.05, save_steps=10, grace_s=30, steady_steps=5,
@@ -122,14 +123,23 @@ def _run(up: Up, framework: str, callback: bool, out: Path, *,
     return measured, explained
 
 
-def _a_kill(up: Up, job: Job) -> list[Measured]:
-    job.steady(0, 3)
-    m, node, pid = kill(up, job)
-    # Before the next job: the node back (tidal up starts its agent again) and registered.
-    job.wait(lambda: (back := up.agent_pid(node)) is not None and back != pid
+def _a_kill(killed: list[tuple[str, int]]) -> Callable[[Up, Job], list[Measured]]:
+    """A kill, the node and the agent's pid noted in ``killed``: the job is then told
+    to stop before the node comes back (a join would restart it first)."""
+    def events(up: Up, job: Job) -> list[Measured]:
+        job.steady(0, 3)
+        m, node, pid = kill(up, job)
+        killed.append((node, pid))
+        return [m]
+
+    return events
+
+
+def _back(up: Up, node: str, pid: int) -> None:
+    """``node``'s agent started again (not ``pid``) and the node registered."""
+    wait_for(lambda: (back := up.agent_pid(node)) is not None and back != pid
              and node in {n["node_id"] for n in up.api.get("/v1/nodes").json()},
-             what=f"{node}'s agent back and registered")
-    return [m]
+             timeout=PACE.event_deadline_s, what=f"{node}'s agent back and registered")
 
 
 def _assert_callback_outcome(measured: list[Measured], explained: str) -> None:
@@ -159,7 +169,10 @@ def test_lightning_survives_a_kill_without_the_callback_and_with_it_redoes_no_co
     tmp_path: Path,
 ) -> None:
     with _tidal_up(tmp_path) as up:
-        measured, explained = _run(up, "lightning", False, tmp_path / "plain", events=_a_kill)
+        killed: list[tuple[str, int]] = []
+        measured, explained = _run(up, "lightning", False, tmp_path / "plain",
+                                   events=_a_kill(killed))
         assert measured[0].resumed is not None, explained
+        _back(up, *killed[0])  # the next job starts on all three nodes
         _assert_callback_outcome(*_run(up, "lightning", True, tmp_path / "callback",
                                        events=_through_every_event))
