@@ -30,8 +30,10 @@ in, whatever ``python`` is on the node's ``PATH``.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -246,6 +248,9 @@ def guarded(spec: RunnerSpec, body: Callable[[], int]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    # ``kill -USR1 RUNNER`` writes every thread's stack into its log (stderr): where a
+    # runner that hangs waits (the churn benchmark's watchdog asks for it).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[:1] == ["--warm"] and len(argv) <= 2:  # [TITLE_ROOM]
         return warm_main()
     if len(argv) != 1:

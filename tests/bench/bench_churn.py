@@ -88,9 +88,11 @@ import dataclasses
 import itertools
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -124,6 +126,11 @@ _RESTARTED = ("restarting the group", "did not complete")
 _IN_PLACE_RUNNER = "(in place: the survivors keep their processes)"
 _IN_PLACE_WORKER = re.compile(r"recovered in place at step (\d+): .* in ([\d.]+) s ")
 _KILL_RESTARTED = ("did not complete", "restarting without them", "stopping the broken worker")
+# A live join: the runners' notice, the survivors' own figures (checkpoints.live.resizing).
+_TOLD = re.compile(r"told the workers round (\d+) \(world size 3\)")
+_RESIZED = re.compile(r"resized live at step \d+: .* in ([\d.]+) s \(notice and drain ([\d.]+) s, "
+                      r"init_process_group ([\d.]+) s, own groups ([\d.]+) s, "
+                      r"state sync ([\d.]+) s, on_resize ([\d.]+) s\)")
 # torchft's replicas (tests/bench/churn_torchft.py) and its manager's own lines.
 _TFT_STEP = re.compile(r"replica (\d+) step (\d+) committed (True|False) participants (\d+)")
 _TFT_QUORUM = "reconfiguring for quorum_id="
@@ -208,6 +215,7 @@ class Kill:
     join_path: str | None = None  # "live" or "restart", from the survivors' runners
     join_pause: float | None = None  # the longest gap between new steps around the join
     live_s: float | None = None  # the runners' own figure for the live resize
+    join_parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -304,6 +312,39 @@ def analyse_join(kill: Kill, worker: list[Line], runner: list[Line], until: floa
     elif done:
         kill.join_path, kill.live_s = "live", max(done)
     kill.join_pause = longest_gap(new_steps(worker), at, until, size=full)
+    if kill.join_path == "live":
+        join_parts(kill, worker, runner, until, full)
+
+
+def join_parts(kill: Kill, worker: list[Line], runner: list[Line], until: float,
+               full: int) -> None:
+    """Where a live join's seconds went: *told* (the fresh node given the job -> the last
+    survivor's runner told its workers the round), *trained on* (-> the survivors' last
+    step in the old group: they train on until the joiner waits in the new group), then
+    the survivors' own figures (the worst survivor): *stop* (their notice and drain),
+    *re-form* (init_process_group and the checkpointer's own groups), *sync* (the state
+    sent to the joiner), *on_resize* (DDP and the sampler rebuilt), and *first step* (->
+    the job's first new step at full size)."""
+    at = kill.joined_at
+    assert at is not None
+    told = [ln.time for ln in runner if at < ln.time < until and _TOLD.search(ln.text)]
+    resized = [(ln.time, m) for ln in worker if at < ln.time < until
+               and (m := _RESIZED.search(ln.text))]
+    if not told or not resized:
+        return
+    last = max(t for t, _ in resized)
+    stopped = last - max(float(m.group(1)) for _, m in resized)
+    before = [t for t, _, _ in new_steps([ln for ln in worker if ln.time <= stopped])]
+    first = next((t for t, _, size in new_steps(worker) if t > last and size == full), None)
+    kill.join_parts = {
+        "told": max(told) - at,
+        "trained on": (before[-1] if before else stopped) - max(told),
+        **{name: max(float(m.group(i)) for _, m in resized)
+           for i, name in ((2, "stop"), (5, "sync"), (6, "on_resize"))},
+        "re-form": max(float(m.group(3)) + float(m.group(4)) for _, m in resized),
+    }
+    if first is not None:
+        kill.join_parts["first step"] = first - last
 
 
 def analyse_torchft(kill: Kill, lines: list[Line], survivors: set[str], until: float,
@@ -414,6 +455,64 @@ def _warm(workdir: Path, node: str) -> bool:
     return any("zygote ready" in t and "ready for a job" in t for t in logs)
 
 
+_RESIZING = "resizing the group live"
+_RESOLVED = ("resized into round", "did not complete", "restarting", "stopping on")
+_RUNNER_PID = re.compile(r"warm runner (\d+) takes job")
+STUCK_S = 10.0  # a live resize that has neither completed nor fallen back by then
+
+
+class RunnerWatchdog:
+    """Asks a runner stuck in a live resize for its threads' stacks.
+
+    A runner that logged "resizing the group live" and, :data:`STUCK_S` later,
+    neither that its workers resized nor that it fell back is sent SIGUSR1: its
+    faulthandler (agent.runner's main) writes every thread's stack into its log.
+    Once per resize; what it did goes into the variant's notes.
+    """
+
+    def __init__(self, workdir: Path, out: Variant) -> None:
+        self._workdir, self._out = workdir, out
+        self._dumped: set[tuple[str, float]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="runner-watchdog", daemon=True)
+
+    def __enter__(self) -> RunnerWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            for path in self._workdir.glob("n*/jobs/*/gen-*/runner.log"):
+                self._check(path.parts[-5], path)
+
+    def _check(self, node: str, path: Path) -> None:
+        lines = [(t, ln) for ln in path.read_text(errors="replace").splitlines()
+                 if (t := _stamp(ln)) is not None]
+        pid = next((int(m.group(1)) for _, ln in lines if (m := _RUNNER_PID.search(ln))), None)
+        started = [t for t, ln in lines if _RESIZING in ln]
+        if pid is None or not started or (node, started[-1]) in self._dumped:
+            return
+        if any(t > started[-1] and any(r in ln for r in _RESOLVED) for t, ln in lines):
+            return
+        if time.time() - started[-1] < STUCK_S:
+            return
+        self._dumped.add((node, started[-1]))
+        try:  # only a runner of ours: the pid is the one its log names, still a runner
+            if b"agent.runner" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            return
+        self._out.notes.append(
+            f"the runner of {node} (pid {pid}) was stuck {STUCK_S:g} s in a live resize "
+            f"begun at {time.strftime('%H:%M:%S', time.localtime(started[-1]))}: its stacks "
+            f"are in {path}")
+
+
 def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: EtcdServer,
                 root: str) -> Variant:
     out = Variant(name)
@@ -470,7 +569,9 @@ def run_variant(name: str, jit: bool, live_resize: bool, workdir: Path, etcd: Et
         if not wait_training(out, training):
             return out
         t0 = measure_pace(out, lambda: steps_of(read_lines(worker_logs())), ref_log)
-        t_end = churn(out, Churn(kill_oldest, lambda: _warm(workdir, spare), join_spare), t0)
+        with RunnerWatchdog(workdir, out):
+            t_end = churn(out, Churn(kill_oldest, lambda: _warm(workdir, spare), join_spare),
+                          t0)
         worker = read_lines(worker_logs())
         runner = read_lines(runner_logs())
         step_s = count_goodput(out, worker, ref_log, t0, t_end)
@@ -606,6 +707,13 @@ def report(variants: list[Variant], load: tuple[float, float]) -> str:
                 f"{key} {statistics.median(p[key] for p in parts if key in p):.2f}"
                 for key in keys)
             lines.append(f"| {v.name} | {path} | {len(parts)} | {medians} |")
+    for v in variants:
+        parts = [k.join_parts for k in v.kills if k.join_parts]
+        if parts:
+            keys = list(dict.fromkeys(key for p in parts for key in p))
+            lines.append(f"| {v.name} | live join | {len(parts)} | " + ", ".join(
+                f"{key} {statistics.median(p[key] for p in parts if key in p):.2f}"
+                for key in keys) + " |")
     lines.append("")
     for v in variants:
         lines += [f"{v.name}: kill {i + 1} at +{k.at - v.kills[0].at:.0f} s: "
@@ -617,6 +725,7 @@ def report(variants: list[Variant], load: tuple[float, float]) -> str:
                   + f"path {k.join_path or '-'}, pause "
                   + ("-" if k.join_pause is None else f"{k.join_pause:.2f} s")
                   + ("" if k.live_s is None else f", runner's live resize {k.live_s:.2f} s")
+                  + "".join(f", {n} {s:.2f}" for n, s in k.join_parts.items())
                   for i, k in enumerate(v.kills)]
         lines += [f"{v.name}: {note}" for note in v.notes]
     return "\n".join(lines)
