@@ -1,16 +1,19 @@
-"""Keep etcd leases alive, all of a process's on one stream, and say when one is lost.
+"""Keep etcd leases alive, a process's on one stream (one per 32 leases), and say when one
+is lost.
 
 :class:`LeaseKeeper` grants a lease and keeps it alive until closed or lost.
-The keep-alives of every lease of a process go through one
-:class:`KeepAlives` per etcd cluster: one LeaseKeepAlive stream
+The keep-alives of a process's leases go through one
+:class:`KeepAlives` per etcd cluster (and one more for each further
+:data:`LEASES_PER_STREAM` leases): one LeaseKeepAlive stream
 (:class:`~rendezvous.etcd.keepalive.KeepAliveStream`) on an etcd client of its
 own (its own gRPC channel, authenticated as the process's client is), one
 thread that sends each lease's keep-alive every ``ttl / 3`` seconds and one
 that reads the answers. Neither thread does anything else: a process whose
 other threads are busy forming rounds, handling watches or running thousands
 of simulated members cannot starve its keep-alives behind that work (#24). A
-process holding a thousand leases sends a thousand small messages on one
-stream, instead of keeping a thousand threads that each open a call.
+process holding a thousand leases sends a thousand small messages on 32 streams,
+instead of keeping a thousand threads that each open a call; not on one, because etcd
+answers one stream's keep-alives one at a time, each behind its apply loop.
 
 Each lease rides out a transient etcd outage, but only for as long as it can
 still be alive: the keeper keeps its own deadline, on its own monotonic clock,
@@ -45,6 +48,7 @@ writes that matter compare on the lease or on a revision (see
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -65,6 +69,12 @@ _FIRST_RETRY_S = 0.1
 _MAX_RETRY_S = 1.0
 _MAX_PATIENCE = 8  # an unanswered keep-alive's wait doubles after each failure, up to 8x
 _COALESCE_S = 0.05  # keep-alives due this close together leave in one pass
+# Leases a stream carries at most; a process with more opens another (a hub each). etcd
+# answers a stream's keep-alives one after the other, and etcd 3.4's leader first waits,
+# for each, until it has applied what it committed: behind a busy apply loop a burst of 128
+# on one stream waited up to 6.6 s for its last answers (the 1,024-member soak of #24,
+# docs/benchmarks.md), past the keepers' deadlines.
+LEASES_PER_STREAM = 32
 
 
 class KeepAliveTrace:
@@ -96,10 +106,12 @@ def _cluster_of(config: EtcdConfig) -> str:
 
 
 class KeepAlives:
-    """The keep-alives of every lease this process holds on one etcd cluster.
+    """The keep-alives of up to :data:`LEASES_PER_STREAM` leases of this process on one
+    etcd cluster.
 
-    One per process and cluster (endpoints and credentials), made by the first
-    :class:`LeaseKeeper` that needs it and ended when the last one closes.
+    One per process and cluster (endpoints and credentials), and another for each
+    further :data:`LEASES_PER_STREAM` leases (a process of tidal holds a few), made by
+    the first :class:`LeaseKeeper` that needs it and ended when the last one closes.
     Threads: ``keep-alive`` (opens the stream, sends what is due, declares
     losses) and ``keep-alive answers`` (reads the stream). Its etcd client is
     its own, built from the configuration of the first keeper's client, so the
@@ -132,16 +144,29 @@ class KeepAlives:
         """Keep ``keeper``'s lease alive from now on (its deadline and schedule set)."""
         cluster = _cluster_of(config)
         with cls._hubs_lock:
-            hub = cls._hubs.get(cluster)
-            # None yet, one inherited through fork (its threads did not come along),
-            # or one ending after a failure of its thread: start another.
-            if hub is None or hub._pid != os.getpid() or hub._stopping:
-                hub = cls._hubs[cluster] = KeepAlives(config, cluster)
-                hub._thread.start()
+            hub = cls._hub_with_room(config, cluster)
             with hub._cond:
                 hub._keepers[keeper.lease_id] = keeper
                 keeper._hub = hub
                 hub._cond.notify()
+
+    @classmethod
+    def _hub_with_room(cls, config: EtcdConfig, cluster: str) -> KeepAlives:
+        """The first of this process's hubs for ``cluster`` with room, or a new one
+        (called under ``_hubs_lock``)."""
+        for index in itertools.count():
+            key = f"{cluster}#{index}"
+            hub = cls._hubs.get(key)
+            # None yet, one inherited through fork (its threads did not come along),
+            # or one ending after a failure of its thread: start another.
+            if hub is None or hub._pid != os.getpid() or hub._stopping:
+                hub = cls._hubs[key] = KeepAlives(config, key)
+                hub._thread.start()
+                return hub
+            with hub._cond:
+                if len(hub._keepers) < LEASES_PER_STREAM:
+                    return hub
+        raise AssertionError("unreachable")
 
     def remove(self, keeper: LeaseKeeper) -> None:
         """Stop keeping ``keeper``'s lease alive; the last one removed ends this hub."""

@@ -336,14 +336,24 @@ def rereads(previous: tuple[RankRecord, ...], current: Mapping[str, RankRecord],
             state: StateRecord) -> frozenset[str]:
     """The members of the last round (``previous``, their rank records) that would
     derive a wrong record for ``state``'s round (``current``: the new rank records by
-    node; ``state`` without ``reread``): those whose ring changed, a node back under
+    node; ``state`` without ``reread``): those whose ring changed (its peers' leases
+    aside: a derived ring keeps the old ones, which nothing reads), a node back under
     another incarnation, a member cut by a lower ``max_nodes``. The leader names them
     in ``reread``; they read their records, the others derive them."""
+    def seat(record: RankRecord | None) -> object:
+        # A peer's lease is not part of it: nothing acts on it, and a member whose join
+        # record was put back under a new lease (an etcd outage, a slow keep-alive) must
+        # not make its ring predecessors read (the 1,024 soak: ~900 leases lost, every
+        # member named, an 8 KB state to each).
+        if record is None:
+            return None
+        return (record.round, record.rank, record.member, tuple(p.member for p in record.ring))
+
     wrong = set()
     for record in previous:
         node = record.member.node
         ok, derived = derive_rank(record, state)
-        if not ok or derived != current.get(node):
+        if not ok or seat(derived) != seat(current.get(node)):
             wrong.add(node)
     return frozenset(wrong)
 

@@ -23,6 +23,8 @@ from rendezvous.etcd import Compare, EtcdClient, Get, KeyValue, Put
 from rendezvous.lease import LeaseCache
 
 log = logging.getLogger("rendezvous.elastic.etcd_v3")
+
+GET_AFTER_FIRST_WAIT_S = 10.0  # get_after's watch, before it reads
 T = TypeVar("T")
 
 DEFAULT_KEY_TTL_S = 7200
@@ -220,16 +222,24 @@ class EtcdV3Store(Store):
         """
         if revision > 0:
             store_timeout: datetime.timedelta = self.timeout  # type: ignore[attr-defined]
-            deadline = time.monotonic() + store_timeout.total_seconds()
+            # A first wait shorter than the store's: a revision later than the key's put
+            # (which the caller's reasoning excludes) costs a read after it, not a hang.
+            first = min(store_timeout.total_seconds(), GET_AFTER_FIRST_WAIT_S)
             full = self._key(key)
             try:
-                got = self._watch_until({full}, revision + 1, deadline)
+                got = self._watch_until({full}, revision + 1, time.monotonic() + first)
             except DistStoreError as exc:
                 log.info("etcd-v3 store: watching %s from revision %d failed (%s); reading",
                          key, revision + 1, exc)
             else:
                 if full in got:
                     return got[full]
+                kv = self._call(f"get {key}", lambda: self._client.get(full))
+                if kv is not None:
+                    log.warning("etcd-v3 store: %s was not seen by a watch from revision %d "
+                                "in %.0f s; it was put at revision %d", key, revision + 1,
+                                first, kv.mod_revision)
+                    return bytes(kv.value)
         return self.get(key)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]

@@ -318,6 +318,18 @@ class Swarm:
                       f"{threading.active_count()} threads, leases lost {_leases_lost[0]}",
                       file=sys.stderr, flush=True)
             time.sleep(0.05)
+        stuck = [m for m in stay if not m.back_in(world, after) and not m.error]
+        if stuck:  # where the first few wait, and what their handler knows
+            frames = sys._current_frames()
+            for m in stuck[:3]:
+                h: Any = m.handler
+                thread = m.thread
+                stack = frames.get(thread.ident) if thread is not None and thread.ident else None
+                print(f"  [{os.getpid()}] {m.node} not back: mine {h._mine}, state "
+                      f"{h._state}, checked {h._checked}, latest {h._latest}, lost {h._lost}, "
+                      f"round_rev {h._round_rev}, wanted {h._join.wanted}\n"
+                      + "".join(traceback.format_stack(stack) if stack else ["(no stack)"]),
+                      file=sys.stderr, flush=True)
         backs = [max(r[0] for r in m.rounds if r[0] > after) for m in stay
                  if m.back_in(world, after)]
         sizes = [r[2] for m in stay for r in m.rounds if r[0] > after]

@@ -267,3 +267,13 @@ def test_the_roster_stays_small_at_sixteen_thousand_members() -> None:
     values = Roster(9, members, {m.node: 2**62 for m in members}, 2**40).chunks()
     assert len(values) == -(-16_000 // ROSTER_CHUNK)
     assert max(len(v) for v in values) < 150_000
+
+
+def test_a_peer_back_under_a_new_lease_makes_nobody_read() -> None:
+    # (the 1,024 soak: ~900 join records put back under new leases named every member)
+    members = tuple(member(f"n{i}") for i in range(6))
+    old = tuple(RankRecord(2, i, m, ring_of(members, {}, i)) for i, m in enumerate(members))
+    new = {m.node: RankRecord(3, i, m, ring_of(members, {m.node: 99 for m in members}, i))
+           for i, m in enumerate(members)}
+    state = StateRecord(3, 6, why=Change(WAITING, frozenset()), derive=True)
+    assert rereads(old, new, state) == frozenset()
