@@ -63,7 +63,7 @@ from tests.support.frameworks import (
 from tests.support.processes import ProcessGroupRegistry
 from tests.support.wait import wait_for
 
-# Deadlines for a loaded machine: at a 1-minute load of 25 on 2 cores a join took 82 s.
+# Deadlines for a loaded machine: at a 1-minute load of 25 on 2 cores a join took 125 s.
 PACE = Pace(step_seconds=0.05, save_steps=10, grace_s=30, steady_steps=5,
             up_deadline_s=180, event_deadline_s=180)
 
