@@ -280,7 +280,15 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
     def serve_forever(self, later: tuple[str, ...] = ()) -> None:
-        """Serve shims; import the modules of ``later`` one by one while none waits."""
+        """Serve shims; import the modules of ``later`` one by one while none waits.
+
+        A shim that comes before they are all imported waits until they are: its
+        worker would import them itself anyway (the checkpointer, the first optimizer
+        step), and after its ``init_process_group``, while the ranks of a running job
+        it joins live wait for it in their first collectives; imported here, before
+        the worker starts, they cost those ranks nothing (they train on until the
+        joiner waits in the new group, :mod:`checkpoints.live`), and every later
+        worker has them."""
         import selectors
 
         selector = selectors.DefaultSelector()
@@ -298,6 +306,9 @@ class Zygote:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                 else:
+                    while pending:
+                        if not _preload(pending.pop(0)):
+                            self.refusing = True
                     self._accept()
             self._reap()
 
