@@ -175,9 +175,8 @@ def test_store_get_waits_until_another_thread_sets_the_key(store):
         timer.cancel()
 
 
-def test_store_multi_get_waits_on_one_watch_and_takes_the_values_from_its_events(store):
-    # Two keys put together by another thread while the reader waits: one read before
-    # the wait, none after it (the events carry the values), the latest value of each.
+def _count_reads(store):
+    """The keys of each read the store makes from now on (its waits' reads included)."""
     reads = []
     real_read = store._read
 
@@ -186,6 +185,13 @@ def test_store_multi_get_waits_on_one_watch_and_takes_the_values_from_its_events
         return real_read(keys)
 
     store._read = counting_read
+    return reads
+
+
+def test_store_multi_get_waits_on_one_watch_and_takes_the_values_from_its_events(store):
+    # Two keys put together by another thread while the reader waits: one read before
+    # the wait, none after it (the events carry the values), the latest value of each.
+    reads = _count_reads(store)
 
     def put_them():
         store.set("MASTER_ADDR", "stale")
@@ -205,14 +211,7 @@ def test_store_get_after_a_revision_watches_without_reading_first(store, etcd_cl
     # What every member but rank 0 does with the round's master key (#24): rank 0 puts it
     # after the round's state, so a watch from the state's revision finds it, before or
     # after it comes, without the read that finds nothing.
-    reads = []
-    real_read = store._read
-
-    def counting_read(keys):
-        reads.append(list(keys))
-        return real_read(keys)
-
-    store._read = counting_read
+    reads = _count_reads(store)
     before = etcd_client.put(etcd_client.keys.rdzv_state("other"), b"the round's state")
     store.set("EARLY", "e")
     assert store.get_after("EARLY", before) == b"e"  # put before the call: replayed
