@@ -47,6 +47,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,25 @@ def abort_default_group() -> bool:
 
     distributed_c10d._abort_process_group()
     return True
+
+
+def default_nccl_group() -> Any | None:
+    """The default process group if it has NCCL communicators, else None.
+
+    For the live path (:class:`checkpoints.live.unblock.Unblocker`), which
+    calls its ``abort()`` when a member is lost: the blocked collective raises
+    at once, and the group stays registered with ``torch.distributed`` until
+    the checkpointer's ``rejoin`` destroys it and makes the next one (unlike
+    :func:`abort_default_group`, which unregisters every group). Subgroups
+    are left alone (the checkpointer's own are gloo's).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if "nccl" not in str(dist.get_backend()):
+        return None
+    return dist.group.WORLD
 
 
 class StopWatcher:

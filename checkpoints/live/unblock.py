@@ -10,7 +10,11 @@ docs/architecture.md, "In-place recovery"). What does work: shutting down
 (``shutdown(SHUT_RDWR)``) the group's *connected* TCP sockets from another
 thread; gloo's transport then fails the blocked operation at once ("Connection
 closed by peer") and the process goes on. The listening socket must be left
-alone: gloo aborts the process when its ``accept`` fails.
+alone: gloo aborts the process when its ``accept`` fails. On NCCL the same
+notice aborts the default group's communicators, the group recorded with the
+sockets (:func:`checkpoints.nccl.default_nccl_group`): the blocked collective
+raises ``DistBackendError`` and the group stays registered until ``rejoin``
+replaces it.
 
 :class:`Unblocker` is a daemon thread that does this when the runner's
 ``live-lost.json`` appears (:mod:`checkpoints.protocol.live`), on the sockets
@@ -32,7 +36,9 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+from checkpoints.nccl import default_nccl_group
 from checkpoints.protocol.live import LOST_NOTICE, read_lost_notice
 
 __all__ = ["Unblocker", "connected_tcp_sockets"]
@@ -113,6 +119,7 @@ class Unblocker:
         self._directory = directory
         self._lock = threading.Lock()
         self._inodes: set[int] = set()
+        self._nccl: Any = None  # the NCCL group to abort, as recorded with the sockets
         self._handled = time.time()  # a notice older than this process's groups is stale
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="checkpoint-unblock",
@@ -128,14 +135,15 @@ class Unblocker:
     def record(self) -> None:
         """The process groups were (re-)formed: their sockets are the ones held now."""
         inodes = connected_tcp_sockets()
+        group = default_nccl_group()
         with self._lock:
-            self._inodes = inodes
+            self._inodes, self._nccl = inodes, group
 
     def handled(self) -> None:
         """The group is being abandoned: the lost notice there is now is dealt with."""
         notice = read_lost_notice(self._directory)
         with self._lock:
-            self._inodes = set()
+            self._inodes, self._nccl = set(), None
             if notice is not None:
                 self._handled = max(self._handled, notice.written_at)
 
@@ -154,5 +162,18 @@ class Unblocker:
                     continue
                 self._handled = notice.written_at
                 count = shut_down(self._inodes)
+                aborted = self._abort_nccl()
             log.warning("a member of round %d is lost: shut down %d socket(s) of the process "
-                        "group, so that a collective blocked on it returns", notice.round, count)
+                        "group%s, so that a collective blocked on it returns", notice.round, count,
+                        " and aborted its NCCL communicators" if aborted else "")
+
+    def _abort_nccl(self) -> bool:
+        """Abort the recorded NCCL group (under the lock: never one formed after it)."""
+        if self._nccl is None:
+            return False
+        try:
+            self._nccl.abort()
+        except Exception:  # the group went away meanwhile: nothing blocks on it
+            log.warning("aborting the NCCL communicators failed", exc_info=True)
+            return False
+        return True

@@ -213,12 +213,15 @@ def _abort_dead_peer(ctx: Context, part: PartResult, deadline: Deadline) -> None
             ctx.procs.kill(proc)
 
 
+LOST_NCCL = "the live path's NCCL abort: a lost notice, then a re-form (world size 1)"
+
+
 def part_nccl(ctx: Context, part: PartResult, deadline: Deadline) -> None:
     if not ctx.cuda:
         why = NO_CUDA if ctx.dry_run else "no CUDA GPU"
         for name in ("NCCL process group (1 rank)", "abort of a live NCCL group on SIGTERM",
                      "abort of a collective blocked on a dead peer (2 GPUs)",
-                     "live re-form on NCCL (world size 1)"):
+                     "live re-form on NCCL (world size 1)", LOST_NCCL):
             part.skipped(name, why)
     else:
         data = _run_one(ctx, part, "NCCL process group (1 rank)", "group", deadline, 90)
@@ -247,6 +250,15 @@ def part_nccl(ctx: Context, part: PartResult, deadline: Deadline) -> None:
             part.ok(name, "rejoin into round 2, then an all-reduce",
                     reform_s=data["rejoin_and_all_reduce_s"])
             part.figures["reform_nccl_s"] = data["rejoin_and_all_reduce_s"]
+        data = _run_one(ctx, part, LOST_NCCL, "lost-nccl", deadline, 90,
+                        "--port2", str(free_port()))
+        if data is not None and "round 2" in data["stages"]:
+            part.ok(LOST_NCCL, f"lost notice -> the next collective raised "
+                    f"{data['error_type']} -> rejoin into round 2, then an all-reduce",
+                    abort_s=data["abort_s"], reform_s=data["rejoin_and_all_reduce_s"])
+            part.figures["lost_abort_nccl_s"] = data["abort_s"]
+        elif data is not None:
+            part.failed(LOST_NCCL, f"stages {data['stages']}: {data.get('error', '')}")
     name = "live join: state transfer, 2 ranks over gloo, " + (
         "CUDA tensors" if ctx.cuda else "CPU tensors (dry run stand-in: no CUDA)")
     results = _pair(ctx, part, name, "transfer", deadline, *([] if ctx.cuda else ["--cpu"]))

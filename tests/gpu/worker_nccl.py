@@ -155,6 +155,51 @@ def mode_reform_nccl(res: Result, args: argparse.Namespace) -> None:
               world_size=world, value=value)
 
 
+def mode_lost_nccl(res: Result, args: argparse.Namespace) -> None:
+    """The live path's NCCL abort: the runner's lost notice aborts the group's communicators
+    (``checkpoints.live.unblock``), a collective then raises, and the rank re-forms in place."""
+    import tempfile
+
+    import torch
+
+    from checkpoints import nccl
+    from checkpoints.live.unblock import Unblocker
+    from checkpoints.protocol.live import write_lost_notice
+
+    rejoin, _, notice_type = live_names()
+    torch.cuda.set_device(0)
+    nccl.prepare_environment()
+    init("nccl", args.port)
+    all_reduce_value("cuda")
+    directory = Path(tempfile.mkdtemp(prefix="tidal-lost-"))
+    unblock = Unblocker(directory).start()
+    unblock.record()
+    res.stage("round 1")
+    started = time.perf_counter()
+    write_lost_notice(directory, round_=1, now=time.time() + 1)
+    deadline = started + 10
+    while True:  # what a blocked collective sees: the next one raises once aborted
+        try:
+            all_reduce_value("cuda")
+        except Exception as exc:
+            res.stage("collective raised", abort_s=time.perf_counter() - started,
+                      error_type=type(exc).__name__, raised=str(exc)[:200])
+            break
+        if time.perf_counter() > deadline:
+            res.stage("not aborted", error="no abort within 10 s of the lost notice")
+            return
+        time.sleep(0.005)
+    unblock.handled()
+    notice = notice_type(round=2, master_addr="127.0.0.1", master_port=args.port2,
+                         world_size=1, ranks={0: 0}, written_at=time.time())
+    reform = time.perf_counter()
+    rank, world = rejoin(notice, local_rank=0)
+    value = all_reduce_value("cuda")
+    unblock.stop()
+    res.stage("round 2", rejoin_and_all_reduce_s=time.perf_counter() - reform, rank=rank,
+              world_size=world, value=value)
+
+
 def _model(device: Any) -> tuple[Any, Any, Any]:
     import torch
     import torch.nn.functional as F
@@ -231,6 +276,7 @@ def mode_transfer(res: Result, args: argparse.Namespace) -> None:
 
 MODES = {"group": mode_group, "abort-live": mode_abort_live,
          "abort-dead-peer": mode_abort_dead_peer, "reform-nccl": mode_reform_nccl,
+         "lost-nccl": mode_lost_nccl,
          "transfer": mode_transfer}
 
 
