@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from tests.support.processes import processes_with_env
+
 T = TypeVar("T")
 
 MARKER = "GPU_CHECK_RUN_ID"  # not TIDAL_*: `tidal up` strips those from its children
@@ -161,19 +163,7 @@ class Processes:
 
 def marked_processes(run_id: str) -> list[int]:
     """Live processes (not zombies) whose environment carries ``MARKER=run_id``, not this one."""
-    needle = f"{MARKER}={run_id}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    return processes_with_env(MARKER, run_id)
 
 
 def process_start_time(pid: int) -> float | None:

@@ -35,7 +35,7 @@ import httpx
 
 from service.client.target import ClusterFile, load_cluster
 from tests.support.agents import warm_runner_ready
-from tests.support.processes import ProcessGroupRegistry
+from tests.support.processes import ProcessGroupRegistry, processes_with_env
 from tests.support.wait import wait_for
 
 T = TypeVar("T")
@@ -91,16 +91,7 @@ class JobEnded(RuntimeError):
 
 def marked_pids(value: str) -> list[int]:
     """Live processes (not this one, not zombies) whose environment carries ``value``."""
-    needle = f"{MARKER}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z" and needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-    return found
+    return processes_with_env(MARKER, value)
 
 
 @contextlib.contextmanager

@@ -76,3 +76,21 @@ def group_members(pgid: int) -> list[int]:
         if pgrp == pgid and state != "Z":
             members.append(int(entry.name))
     return members
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes (not this one, not zombies) whose environment holds ``name=value``:
+    what a run marked everything it started with, to find what survived it."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
