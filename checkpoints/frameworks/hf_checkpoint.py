@@ -13,7 +13,9 @@ commit puts the shared files in place (:func:`commit_checkpoint`): they are
 written to a hidden temporary directory (``.checkpoint-<step>.tidal-*``, which
 ``get_last_checkpoint`` and the Trainer's rotation never match), fsynced and
 renamed to ``checkpoint-<step>``; a later survivor finds it complete and adds
-only its ``rng_state`` file (temporary file, rename). The commits are
+only its ``rng_state`` file (temporary file, rename). Shared files without the
+weights or the trainer state are never put in place (:class:`IncompleteCheckpointError`):
+``get_last_checkpoint`` would pick them and the Trainer refuse them. The commits are
 serialized by an ``flock`` on ``<output_dir>/.tidal-jit.lock`` (released by the
 kernel if the holder dies). A complete checkpoint of the same or a newer step
 is never overwritten; an incomplete ``checkpoint-<step>`` (a Trainer save cut
@@ -44,6 +46,7 @@ __all__ = [
     "TRAINER_STATE_NAME",
     "TRAINING_ARGS_NAME",
     "WEIGHTS_NAMES",
+    "IncompleteCheckpointError",
     "Outcome",
     "checkpoint_name",
     "commit_checkpoint",
@@ -61,6 +64,10 @@ TRAINING_ARGS_NAME = "training_args.bin"
 WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils._re_checkpoint
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The shared files a commit was given lack the weights or the trainer state."""
 
 
 class Outcome(str, enum.Enum):
@@ -169,6 +176,11 @@ def _write_temp(
     try:
         write_rng(temp / rng_name)
         write_shared(temp)
+        if not is_complete(temp):  # never put in place what resuming would refuse
+            raise IncompleteCheckpointError(
+                f"the shared files of {checkpoint_name(step)} came out incomplete: "
+                f"{TRAINER_STATE_NAME} and one of {', '.join(WEIGHTS_NAMES)} are needed, "
+                f"written were {', '.join(sorted(p.name for p in temp.iterdir()))}")
         for path in temp.rglob("*"):
             if path.is_file():
                 fsync_file(path)

@@ -74,6 +74,7 @@ __all__ = [
     "commit_checkpoint",
     "is_complete",
     "newest_complete_step",
+    "save_model",
     "sharded_reason",
 ]
 
@@ -112,6 +113,34 @@ def sharded_reason(args: Any) -> str | None:
 
 
 # -------------------------------------------------------------------- the saver
+
+
+def save_model(model: Any, directory: Path) -> None:
+    """The model's files as ``Trainer._save`` writes them: ``save_pretrained`` (config and
+    safetensors), or the bare state dict for a model without it.
+
+    Whichever survivor commits writes them, on any rank: transformers 5.x's
+    ``save_pretrained`` writes nothing on a rank other than torch.distributed's 0
+    (``should_save_on_this_rank``), whatever ``is_main_process`` says, and rank 0 may be
+    the rank that died or one whose optimizer step had begun. That check is lifted for
+    this one call (an attribute on the instance, removed after).
+    """
+    if not hasattr(model, "save_pretrained"):
+        import safetensors.torch
+
+        safetensors.torch.save_file(model.state_dict(), str(directory / WEIGHTS_NAMES[0]),
+                                    metadata={"format": "pt"})
+        return
+    lifted = hasattr(model, "should_save_on_this_rank")
+    if lifted:
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(str(directory), is_main_process=True)
+    finally:
+        if lifted:
+            del model.should_save_on_this_rank
+    if not any((directory / name).is_file() for name in WEIGHTS_NAMES):
+        raise RuntimeError(f"save_pretrained wrote no model weights in {directory}")
 
 
 def _rng_state(distributed: bool) -> dict[str, Any]:
@@ -229,14 +258,7 @@ class HFJustInTimeSave(JustInTimeTrigger):
     def _write_shared(self, directory: Path) -> None:
         """The files ``Trainer._save_checkpoint`` writes once per checkpoint (DDP or one device)."""
         self._writing = directory
-        model: Any = self._model
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(directory), is_main_process=True)
-        else:
-            import safetensors.torch
-
-            safetensors.torch.save_file(model.state_dict(), str(directory / WEIGHTS_NAMES[0]),
-                                        metadata={"format": "pt"})
+        save_model(self._model, directory)
         processing = self._processing_class
         if processing is not None and hasattr(processing, "save_pretrained"):
             processing.save_pretrained(str(directory))

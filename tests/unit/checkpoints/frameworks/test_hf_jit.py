@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpoints.frameworks.hf_checkpoint import IncompleteCheckpointError
 from checkpoints.frameworks.hf_jit import (
     HFJustInTimeSave,
     Outcome,
@@ -20,6 +21,7 @@ from checkpoints.frameworks.hf_jit import (
     commit_checkpoint,
     is_complete,
     newest_complete_step,
+    save_model,
     sharded_reason,
 )
 from tests.support.wait import wait_for
@@ -151,7 +153,41 @@ def test_a_failed_write_leaves_no_checkpoint_and_no_temporary_directory(tmp_path
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".tidal")] == []
 
 
+def test_shared_files_without_the_weights_are_never_put_in_place(tmp_path: Path) -> None:
+    def no_weights(directory: Path) -> None:  # what save_pretrained did on a rank other than 0
+        (directory / "optimizer.pt").write_text("optimizer")
+        (directory / "trainer_state.json").write_text("{}")
+
+    with pytest.raises(IncompleteCheckpointError, match=r"checkpoint-8 came out incomplete.*"
+                       r"written were optimizer.pt, rng_state_1.pth, trainer_state.json"):
+        commit_checkpoint(tmp_path, 8, rng_name="rng_state_1.pth",
+                          write_rng=lambda p: p.write_text("rng"), write_shared=no_weights)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".tidal")] == []
+    assert newest_complete_step(tmp_path) is None
+
+
 # ----------------------------------------------------- the saver on a real Trainer
+
+
+def test_the_model_is_saved_by_a_survivor_that_is_not_rank_0(tmp_path: Path) -> None:
+    """transformers 5.x's save_pretrained writes only on torch.distributed's rank 0; a survivor
+    of another rank must still write the model (rank 0 may be the one that died)."""
+    transformers = pytest.importorskip("transformers")
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                     n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        save_model(model, tmp_path)
+    finally:
+        dist.destroy_process_group()
+    assert {"model.safetensors", "config.json"} <= {p.name for p in tmp_path.iterdir()}
+    assert "should_save_on_this_rank" not in vars(model)  # the instance is left as it was
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())
 
 
 def test_the_saver_writes_the_last_completed_step_in_the_trainers_own_layout(
