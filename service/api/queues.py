@@ -83,6 +83,15 @@ class QueuePatch(BaseModel):
     limit: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
     weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
 
+    @model_validator(mode="after")
+    def _only_limit_is_nullable(self) -> Self:
+        """A field left out is unchanged; ``null`` means "no limit", which only ``limit`` has."""
+        for name in sorted(self.model_fields_set - {"limit"}):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name} cannot be null (leave it out to keep it; only "
+                                 "limit: null, which removes the limit)")
+        return self
+
 
 def default_queue() -> QueueSpec:
     """The ``default`` queue when no admin stored one."""

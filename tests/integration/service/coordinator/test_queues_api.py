@@ -79,12 +79,15 @@ def test_queues_are_created_listed_changed_and_deleted_by_the_admin(
                                               json={"name": "d", "guaranteed": 3, "limit": 2}),
             "not a number": api.post("/v1/queues", json={"name": "d", "guaranteed": "3"}),
             "patch below guarantee": api.patch("/v1/queues/a", json={"limit": 1}),
+            "null guarantee": api.patch("/v1/queues/a", json={"guaranteed": None, "limit": 9}),
             "unknown": api.get("/v1/queues/nope"),
         }
         codes = {what: r.status_code for what, r in refused.items()}
         assert codes == {"duplicate": 409, "bad name": 422, "limit below guarantee": 422,
-                         "not a number": 422, "patch below guarantee": 422, "unknown": 404}
+                         "not a number": 422, "patch below guarantee": 422,
+                         "null guarantee": 422, "unknown": 404}
         assert "limit (1) is less than guaranteed (2)" in refused["patch below guarantee"].text
+        assert "guaranteed cannot be null" in refused["null guarantee"].text
         patched = api.patch("/v1/queues/c", json={"guaranteed": 0, "limit": 1})
         assert patched.status_code == 200, patched.text
         assert (patched.json()["queue"]["limit"], patched.json()["warning"]) == (1, None)

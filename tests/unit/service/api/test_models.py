@@ -20,6 +20,7 @@ from service.api.models import (
     ResizePolicy,
     ScaleRequest,
 )
+from service.api.queues import QueuePatch
 from tests.unit.service.sim import T0
 
 TERMINAL = [JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED]
@@ -203,3 +204,10 @@ def test_a_condition_keeps_its_transition_time_until_its_status_changes() -> Non
     record.set_condition("Running", True, "restarted", now=T0 + timedelta(2))
     [cond] = record.conditions
     assert cond.status and cond.last_transition_time == T0 + timedelta(2)
+
+
+def test_a_queue_patch_takes_null_only_for_the_limit() -> None:
+    assert QueuePatch.model_validate({"limit": None}).model_fields_set == {"limit"}
+    for name in ("guaranteed", "weight"):
+        with pytest.raises(ValidationError, match=f"{name} cannot be null"):
+            QueuePatch.model_validate({name: None, "limit": 3})
