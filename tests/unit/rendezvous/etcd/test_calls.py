@@ -19,6 +19,8 @@ from pyetcd import etcdrpc
 
 from rendezvous.errors import EtcdError, EtcdUnavailableError
 from rendezvous.etcd import Compare, EtcdClient, EtcdConfig, Get, Put, WatchStream
+from rendezvous.etcd.facade import AUTHENTICATE_TIMEOUT_S
+from rendezvous.etcd.transport import Transport
 from tests.unit.rendezvous.etcd.test_translate import RpcError
 
 TIMEOUT_S = 3.0
@@ -172,3 +174,24 @@ def test_a_watch_etcd_never_confirms_ends_after_the_deadline_and_blames_its_memb
     with pytest.raises(EtcdUnavailableError, match="etcd did not open the watch in time"):
         list(stream)
     assert blamed == [None]  # None: silence, not a refusal
+
+
+def test_authentication_gets_the_longer_of_its_own_deadline_and_the_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd checks a password slowly on purpose (bcrypt); a loaded etcd took over 5 s."""
+    deadlines: list[tuple[str, float]] = []
+
+    def call(self: Any, stub: str, method: str, request: Any, timeout: float, **_: Any) -> Any:
+        deadlines.append((method, timeout))
+        return etcdrpc.AuthenticateResponse(token="t") if method == "Authenticate" else (
+            ANSWERS[method]())
+
+    monkeypatch.setattr(Transport, "call", call)
+    monkeypatch.setattr(Transport, "set_token", lambda self, token, *, secure: None)
+    for timeout_s, expected in ((TIMEOUT_S, AUTHENTICATE_TIMEOUT_S), (40.0, 40.0)):
+        deadlines.clear()
+        config = EtcdConfig(endpoints=[A], timeout_s=timeout_s, user="u", password="p")
+        with EtcdClient(config) as client:
+            client.get("/k")
+        assert deadlines == [("Authenticate", expected), ("Range", timeout_s)]
