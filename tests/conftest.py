@@ -29,10 +29,23 @@ os.environ[SESSION_VAR] = str(os.getpid())
 _roots = itertools.count()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, hand out the tests a few at a time (``--maxschedchunk 1``).
+
+    xdist's ``load`` scheduler otherwise gives each worker a quarter of its share at the
+    start, in collection order: with the slow tests first (below), one worker got every
+    scenario test and ran them one after another while the other ran the rest and then
+    had nothing left to take (29 min on 2 cores instead of about 24). One at a time, each
+    test goes to the worker that is free. An explicit ``--maxschedchunk`` is kept.
+    """
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2``) the scenario tests (``slow``) go first.
 
-    Each takes 20-110 s, most of it waiting on processes rather than computing, so they are
+    Each takes 20-130 s, most of it waiting on processes rather than computing, so they are
     what the workers share; started last, one would run on alone at the end. A plain serial
     run keeps the files' order.
     """
