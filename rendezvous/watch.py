@@ -152,10 +152,14 @@ class PrefixWatcher:
         Raises:
             RuntimeError: the watcher was already started.
         """
-        if self._thread is not None:
-            raise RuntimeError(f"{self.name}: the watcher was already started")
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        # Under the lock: stop() in another thread reads the thread under it too, and must
+        # never find one assigned but not yet started (joining that raises).
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"{self.name}: the watcher was already started")
+            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            thread.start()
+            self._thread = thread
         return self
 
     def wait_synced(self, timeout: float) -> bool:
@@ -186,10 +190,9 @@ class PrefixWatcher:
         """
         self._stopped.set()
         with self._lock:
-            stream = self._stream
+            stream, thread = self._stream, self._thread
         if stream is not None:
             stream.cancel()
-        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._client.config.timeout_s + 1 if timeout is None else timeout)
             if thread.is_alive():

@@ -205,6 +205,38 @@ def test_stop_ends_the_thread_promptly(etcd_client: EtcdClient) -> None:
     assert watcher._thread is not None and not watcher._thread.is_alive()
 
 
+def test_stop_while_another_thread_starts_the_watcher_waits_for_it(
+    etcd_client: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round leader starts its watcher in its own thread while close() may stop it: a stop
+    that came in between must not find a thread not yet started (joining it raises)."""
+    watcher = PrefixWatcher(etcd_client, etcd_client.keys.jobs_prefix(), on_event=lambda e: None, name="racing")
+    errors: list[BaseException] = []
+    stopper_done = threading.Event()
+    real_start = threading.Thread.start
+
+    def stop_now() -> None:
+        try:
+            watcher.stop(timeout=5)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            stopper_done.set()
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "racing":  # the watcher's thread: stop() comes in before it runs
+            threading.Thread(target=stop_now, daemon=True).start()
+            stopper_done.wait(0.5)  # the unguarded code raised here at once
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    watcher.start()
+    assert stopper_done.wait(10), "stop() never returned"
+    assert errors == []
+    wait_for(lambda: not watcher._thread.is_alive(), timeout=5,  # type: ignore[union-attr]
+             what="the watcher's thread to end")
+
+
 def test_diff_snapshots_reports_changes_deletes_and_recreations() -> None:
     def kv(key: str, create: int, mod: int) -> KeyValue:
         return KeyValue(key, f"{key}@{mod}".encode(), create, mod, mod - create + 1, 0)
