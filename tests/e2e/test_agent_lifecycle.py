@@ -79,14 +79,23 @@ def test_cancel_stops_every_worker_within_the_grace_period(
     wait_for(lambda: len(processes_of_node("a")) >= 2, timeout=30, what="runner and worker up")
     cancelled = time.monotonic()
     unassign(etcd_client, "a", "cancel-me")
-    # The workers get SIGTERM, then SIGKILL once the grace period is over
-    # (slack: a loaded 2-core machine)...
-    wait_for(lambda: not _workers_of("a"), timeout=job.grace_period_s + 5, what="workers gone")
-    # ...and the runner, after leaving the rendezvous, is killed by the agent
-    # at the latest grace + 10 s after the SIGTERM.
-    wait_for(lambda: not processes_of_node("a"), timeout=job.grace_period_s + 10 + 5,
-             what="the runner gone too")
-    assert time.monotonic() - cancelled < job.grace_period_s + 10 + 5
+    # The workers get SIGTERM, then SIGKILL once the grace period is over. Slack: the
+    # agent's watch, its SIGTERM and the runner's own on a loaded 2-core machine (over
+    # 5 s once, with the full suite's other worker on the scenario tests).
+    slack_s = 15
+    try:
+        wait_for(lambda: not _workers_of("a"), timeout=job.grace_period_s + slack_s,
+                 what="workers gone")
+        # ...and the runner, after leaving the rendezvous, is killed by the agent
+        # at the latest grace + 10 s after the SIGTERM.
+        wait_for(lambda: not processes_of_node("a"), timeout=job.grace_period_s + 10 + slack_s,
+                 what="the runner gone too")
+    except TimeoutError as exc:
+        logs = [tmp_path / "a" / "agent.log", *(tmp_path / "a" / "jobs").rglob("runner.log")]
+        tails = "\n".join(f"--- {p}\n" + "\n".join(p.read_text().splitlines()[-15:])
+                          for p in logs if p.exists())
+        raise AssertionError(f"{exc}\n{tails}") from exc
+    assert time.monotonic() - cancelled < job.grace_period_s + 10 + slack_s
     wait_for(lambda: statuses(etcd_client, "cancel-me")["a"].state == JobNodeState.CANCELLED,
              timeout=10, what="status cancelled")
     # The agent itself is still alive and registered.
