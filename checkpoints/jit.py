@@ -27,7 +27,9 @@ saves before the interpreter exits, when the exception looks like a failed
 collective (:func:`is_collective_failure`). A worker blocked in a collective
 that never returns cannot run Python in its main thread; the runner writes a
 *notice* (``<TIDAL_PROGRESS_DIR>/peer-lost``) when it learns that a peer is gone,
-and a watcher thread saves from there. Either way the save happens once.
+and a watcher thread saves from there; a notice that lands while an optimizer step
+runs waits for that step's boundary (:data:`BOUNDARY_WAIT_S`, bounded) and saves
+it, rather than refusing. Either way the save happens once.
 
 **No consensus.** A broken group cannot agree on who writes. Every rank that
 writes (local rank 0 of each node: one copy per node) commits its own
@@ -116,6 +118,11 @@ log = logging.getLogger(__name__)
 #: Set to "0" in a worker's environment to turn just-in-time saves off (benchmarks).
 JIT_ENV = worker_env.JIT_SAVE
 _POLL_S = 0.05
+#: On the runner's notice, how long a save waits for the step boundary when an optimizer
+#: step has begun: that step is local (the collective that failed, or will, is in the next
+#: backward), so the boundary comes at once, and the state then is a whole step newer.
+#: Below the runner's wait for an armed worker to start saving (agent.runner JIT_ACK_S).
+BOUNDARY_WAIT_S = 0.35
 _BEAT_S = 0.1
 _FAILURE_TEXT = re.compile(
     r"gloo|nccl|connection (closed|reset) by peer|broken pipe|timed out|timeout"
@@ -179,6 +186,7 @@ class JustInTimeTrigger(abc.ABC):
         self._rank, self._progress_dir = rank, progress_dir
         self._exit_at_once, self._thread_name = exit_at_once, thread_name
         self._lock = threading.Lock()  # the state is not changing while this is held
+        self._boundary = threading.Condition(self._lock)  # notified by every _record
         self._step: int | None = None
         self._small: dict[str, Any] = {}
         self._dirty = True  # nothing completed yet
@@ -200,6 +208,7 @@ class JustInTimeTrigger(abc.ABC):
         """``step`` optimizer steps are complete; ``small`` is what changes in the next one."""
         with self._lock:
             self._step, self._small, self._dirty = step, small, False
+            self._boundary.notify_all()
 
     def mark_dirty(self) -> None:
         """The live state is about to change (an optimizer step begins): waits for a save."""
@@ -276,13 +285,20 @@ class JustInTimeTrigger(abc.ABC):
             except OSError:
                 continue
             if noticed:
-                self.save("the runner says a peer is gone")
+                self.save("the runner says a peer is gone", boundary_wait_s=BOUNDARY_WAIT_S)
                 return
 
     # -------------------------------------------------------------------- save
 
-    def save(self, reason: str) -> Path | None:
+    def save(self, reason: str, *, boundary_wait_s: float = 0.0) -> Path | None:
         """Write the last completed step, once; wait if a save is in flight.
+
+        Args:
+            reason: why (logged).
+            boundary_wait_s: when an optimizer step has begun, wait up to this long for
+                its boundary and save that step (the runner's notice: the main thread is
+                alive and finishing the step); 0: refuse at once (the excepthook: the
+                main thread is gone).
 
         Returns:
             Where it went, or None when there was nothing safe to save (no
@@ -290,8 +306,12 @@ class JustInTimeTrigger(abc.ABC):
             nothing, or the save failed.
         """
         with self._lock:  # an optimizer step that would begin now waits for the save
+            if boundary_wait_s > 0 and not self._started:
+                self._boundary.wait_for(lambda: not self._dirty or self._started,
+                                        timeout=boundary_wait_s)
             first = not self._started
             self._started = True
+            self._boundary.notify_all()  # a save waiting for the boundary: this one goes
             if first:
                 return self._save_locked(reason)
         self._saved.wait()

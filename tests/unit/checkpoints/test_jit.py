@@ -267,3 +267,41 @@ def test_reports_round_trip_and_junk_is_skipped(tmp_path: Path) -> None:
     (tmp_path / "saving-rank-4.json").write_text("{not json")
     reports: dict[int, Any] = read_reports(tmp_path)
     assert list(reports) == [3] and reports[3].bytes == 9
+
+
+def test_a_notice_during_an_optimizer_step_saves_that_step_at_its_boundary(
+    tmp_path: Path,
+) -> None:
+    """The runner's notice can land between an optimizer step and its boundary (a
+    framework's callbacks run there): the watcher waits for the boundary, bounded."""
+    job = Job()
+    saver = job.saver(tmp_path, progress_dir=tmp_path)
+    saver.arm()
+    try:
+        job.step()
+        saver.boundary(1)
+        job.step()  # step 2's optimizer step ran; its boundary has not come yet
+        write_notice(tmp_path, "peer b lost")
+        wait_for(lambda: saver._boundary._waiters, timeout=10,  # type: ignore[attr-defined]
+                 what="the watcher waiting for the boundary")
+        expected = job.params()
+        saver.boundary(2)
+        wait_for(lambda: read_reports(tmp_path)[1].state == "done", timeout=10,
+                 what="the watcher's save")
+    finally:
+        saver.disarm()
+    assert [c.step for c in CheckpointStore(tmp_path).candidates()] == [2]
+    _, restored = restore(tmp_path)
+    for name, value in expected.items():
+        torch.testing.assert_close(restored.params()[name], value, rtol=0, atol=0)
+
+
+def test_a_boundary_that_never_comes_leaves_the_notice_unsaved(tmp_path: Path) -> None:
+    job = Job()
+    saver = job.saver(tmp_path, progress_dir=tmp_path)
+    job.step()
+    saver.boundary(1)
+    job.step()  # and the main thread never reaches the boundary
+    assert saver.save("the notice", boundary_wait_s=0.2) is None
+    report = read_reports(tmp_path)[1]
+    assert report.state == "skipped" and "optimizer step had begun" in report.detail
