@@ -210,7 +210,8 @@ def test_stop_while_another_thread_starts_the_watcher_waits_for_it(
 ) -> None:
     """A round leader starts its watcher in its own thread while close() may stop it: a stop
     that came in between must not find a thread not yet started (joining it raises)."""
-    watcher = PrefixWatcher(etcd_client, etcd_client.keys.jobs_prefix(), on_event=lambda e: None, name="racing")
+    watcher = PrefixWatcher(etcd_client, etcd_client.keys.jobs_prefix(),
+                            on_event=lambda e: None, name="racing")
     errors: list[BaseException] = []
     stopper_done = threading.Event()
     real_start = threading.Thread.start
