@@ -123,7 +123,8 @@ def save_model(model: Any, directory: Path) -> None:
     ``save_pretrained`` writes nothing on a rank other than torch.distributed's 0
     (``should_save_on_this_rank``), whatever ``is_main_process`` says, and rank 0 may be
     the rank that died or one whose optimizer step had begun. That check is lifted for
-    this one call (an attribute on the instance, removed after).
+    this one call (an attribute on the instance, removed after). Should it still write no
+    weights, the commit refuses the checkpoint (``IncompleteCheckpointError``).
     """
     if not hasattr(model, "save_pretrained"):
         import safetensors.torch
@@ -139,8 +140,6 @@ def save_model(model: Any, directory: Path) -> None:
     finally:
         if lifted:
             del model.should_save_on_this_rank
-    if not any((directory / name).is_file() for name in WEIGHTS_NAMES):
-        raise RuntimeError(f"save_pretrained wrote no model weights in {directory}")
 
 
 def _rng_state(distributed: bool) -> dict[str, Any]:
