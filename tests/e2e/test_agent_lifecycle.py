@@ -91,10 +91,7 @@ def test_cancel_stops_every_worker_within_the_grace_period(
         wait_for(lambda: not processes_of_node("a"), timeout=job.grace_period_s + 10 + slack_s,
                  what="the runner gone too")
     except TimeoutError as exc:
-        logs = [tmp_path / "a" / "agent.log", *(tmp_path / "a" / "jobs").rglob("runner.log")]
-        tails = "\n".join(f"--- {p}\n" + "\n".join(p.read_text().splitlines()[-15:])
-                          for p in logs if p.exists())
-        raise AssertionError(f"{exc}\n{tails}") from exc
+        raise AssertionError(f"{exc}\n{cluster.log_tails(15)}") from exc
     assert time.monotonic() - cancelled < job.grace_period_s + 10 + slack_s
     wait_for(lambda: statuses(etcd_client, "cancel-me")["a"].state == JobNodeState.CANCELLED,
              timeout=10, what="status cancelled")
