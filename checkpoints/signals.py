@@ -19,6 +19,7 @@ what DDP already does.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from checkpoints.live.group import group_timeout
 
 __all__ = ["EXIT_PREEMPTED", "StepConsensus", "StopSignal"]
 
@@ -111,14 +114,27 @@ class StepConsensus:
     Every rank must call :meth:`exchange` the same number of times, and
     :meth:`drain` before it leaves the group.
 
+    Each reduction fails within ``timeout``, not within the private group's own
+    (the checkpointer's is 10 minutes, for restores and saves): gloo can leave
+    a send of a reduction posted just before its peers died waiting for the
+    op's whole timeout although both peers' connections are closed (seen as
+    "Timed out waiting 60000ms for send operation to complete" on a rank whose
+    two peers were dead), in :meth:`drain` and again in the group's destructor
+    at interpreter exit.
+
     Args:
         group: a gloo process group used for nothing else.
         width: how many flags are exchanged.
+        timeout: how long one reduction may take (None: the default group's,
+            the training script's choice; 60 s when it cannot be read).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, width: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, *, width: int, timeout: datetime.timedelta | None = None
+    ) -> None:
         self._group = group
         self._width = width
+        self._timeout = timeout if timeout is not None else group_timeout()
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def exchange(self, flags: list[int]) -> list[int]:
@@ -130,7 +146,10 @@ class StepConsensus:
             raise ValueError(f"expected {self._width} flags, got {len(flags)}")
         agreed = self.drain()
         tensor = torch.tensor(flags, dtype=torch.int64)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        options.timeout = self._timeout
+        work = self._group.allreduce([tensor], options)
         self._pending = (work, tensor)
         return agreed
 

@@ -1,8 +1,9 @@
 """Worker processes for the checkpoint integration tests, and helpers to launch them.
 
 Run as a script, it is one rank of a small training job (``train``), a
-process that forks savers for the tests to kill (``zygote``), or one rank of
-an FSDP2 job that saves or loads sharded state (``sharded``). Ranks of a
+process that forks savers for the tests to kill (``zygote``), one rank of
+an FSDP2 job that saves or loads sharded state (``sharded``), or one rank of
+a step-flags exchange whose peer stops taking part (``consensus``). Ranks of a
 multi-process job meet through a FileStore (``--init-file``), so no port can
 be taken by someone else between choosing it and binding it. Every line a
 worker logs is flushed at once; the tests wait on those lines.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import checkpoints as ck  # noqa: E402  (after the path fix when run as a script)
+from checkpoints.jit import is_collective_failure  # noqa: E402
+from checkpoints.signals import StepConsensus  # noqa: E402
 
 log = logging.getLogger("ckpt_worker")
 SCRIPT = Path(__file__).resolve()
@@ -66,7 +71,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def init_distributed(init_file: str | None) -> tuple[int, int]:
+def init_distributed(init_file: str | None, timeout_s: float = 60) -> tuple[int, int]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world_size > 1:
@@ -75,7 +80,7 @@ def init_distributed(init_file: str | None) -> tuple[int, int]:
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     return rank, world_size
 
@@ -204,9 +209,38 @@ def sharded(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def consensus(args: argparse.Namespace) -> None:
+    """Rank 0 exchanges step flags twice; rank 1 never does, and waits for ``<control>/go``.
+
+    The flags' group has the checkpointer's 10-minute timeout; the training
+    group has ``--timeout``. Rank 0 logs how its second exchange (which drains
+    the first) ended.
+    """
+    rank, _ = init_distributed(args.init_file, timeout_s=args.timeout)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+    if rank == 0:
+        flags = StepConsensus(group, width=2)
+        flags.exchange([1, 0])
+        started = time.monotonic()
+        try:
+            flags.exchange([0, 0])
+        except Exception as exc:  # the point: it fails, and how
+            log.info("drain failed after %.1f s (collective failure %s): %s",
+                     time.monotonic() - started, is_collective_failure(exc), exc)
+            os._exit(3)  # the group's destructor would wait for the peer's part
+        log.info("drain completed")
+        os._exit(0)
+    deadline = time.monotonic() + 120
+    while not (Path(args.control) / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("no go from the test within 120 s")
+        time.sleep(0.05)
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "zygote", "sharded"])
+    parser.add_argument("mode", choices=["train", "zygote", "sharded", "consensus"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--total-steps", type=int, default=10**9)
@@ -217,9 +251,12 @@ def main() -> None:
     parser.add_argument("--children", type=int, default=0)
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--dump", default=None)
+    parser.add_argument("--timeout", type=float, default=60, help="the training group's (s)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    {"train": train, "zygote": zygote, "sharded": sharded}[args.mode](args)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test dumps the stacks
+    modes = {"train": train, "zygote": zygote, "sharded": sharded, "consensus": consensus}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ while they train; they must save the step they were finishing, exit with
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -38,8 +39,23 @@ def start_rank(
     return proc, log_path
 
 
-def wait_exit(proc: subprocess.Popen[bytes], log_path: Path, what: str) -> int:
-    wait_for(lambda: proc.poll() is not None, timeout=60, what=what)
+def wait_exit(
+    proc: subprocess.Popen[bytes], log_path: Path, what: str, *, timeout: float = 60
+) -> int:
+    """Wait for ``proc`` to end; return its code, or fail with where it is stuck.
+
+    On a timeout the worker's faulthandler (SIGUSR1) writes every thread's stack
+    into its log, and the failure shows the log's tail.
+    """
+    try:
+        wait_for(lambda: proc.poll() is not None, timeout=timeout, what=what)
+    except TimeoutError as exc:
+        size = log_path.stat().st_size
+        proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: log_path.stat().st_size > size, timeout=5, what="the stack dump")
+        tail = log_path.read_text(errors="replace")[-6000:]
+        raise AssertionError(f"{exc}; its log ends:\n{tail}") from exc
     assert proc.returncode is not None
     return proc.returncode
 
