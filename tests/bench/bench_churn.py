@@ -107,6 +107,7 @@ from rendezvous.records import Assignment
 from tests.bench.bench_recovery import MARKER, _no_leftovers, _stamp
 from tests.support.agents import AgentCluster, assign, unassign
 from tests.support.processes import ProcessGroupRegistry
+from tests.support.runners import runner_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp.py"
@@ -488,7 +489,6 @@ def kill_node(agent_pid: int) -> None:
 
 _RESIZING = "resizing the group live"
 _RESOLVED = ("resized into round", "did not complete", "restarting", "stopping on")
-_RUNNER_PID = re.compile(r"warm runner (\d+) takes job")
 STUCK_S = 10.0  # a live resize that has neither completed nor fallen back by then
 
 
@@ -523,18 +523,18 @@ class RunnerWatchdog:
     def _check(self, node: str, path: Path) -> None:
         lines = [(t, ln) for ln in path.read_text(errors="replace").splitlines()
                  if (t := _stamp(ln)) is not None]
-        pid = next((int(m.group(1)) for _, ln in lines if (m := _RUNNER_PID.search(ln))), None)
         started = [t for t, ln in lines if _RESIZING in ln]
-        if pid is None or not started or (node, started[-1]) in self._dumped:
+        if not started or (node, started[-1]) in self._dumped:
             return
         if any(t > started[-1] and any(r in ln for r in _RESOLVED) for t, ln in lines):
             return
         if time.time() - started[-1] < STUCK_S:
             return
+        pid = runner_pid(path)  # only a runner of ours, still running
+        if pid is None:
+            return
         self._dumped.add((node, started[-1]))
-        try:  # only a runner of ours: the pid is the one its log names, still a runner
-            if b"agent.runner" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return
+        try:
             os.kill(pid, signal.SIGUSR1)
         except OSError:
             return

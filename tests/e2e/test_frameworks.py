@@ -61,6 +61,7 @@ from tests.support.frameworks import (
     paths,
 )
 from tests.support.processes import ProcessGroupRegistry
+from tests.support.runners import runner_stacks
 from tests.support.wait import wait_for
 
 # Deadlines for a loaded machine: at a 1-minute load of 25 on 2 cores a join took 125 s.
@@ -115,7 +116,8 @@ def _run(up: Up, framework: str, callback: bool, out: Path, *,
         ended = job.finish()
     except Exception as exc:
         raise AssertionError(f"{exc}\n{_explain(job, measured)}\n"
-                             f"tidal up's log:\n{up.log_tail()}") from exc
+                             f"tidal up's log:\n{up.log_tail()}\n"
+                             f"the runners:\n{runner_stacks(up.state / 'run', job.id)}") from exc
     explained = _explain(job, measured)
     print(f"\n{job.id}: {time.monotonic() - began:.0f} s from submit to {ended['phase']} "
           f"(1-min load {os.getloadavg()[0]:.1f})\n{explained}")  # shown by pytest -s / -rP
