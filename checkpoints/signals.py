@@ -19,7 +19,6 @@ what DDP already does.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
@@ -114,7 +113,7 @@ class StepConsensus:
     Every rank must call :meth:`exchange` the same number of times, and
     :meth:`drain` before it leaves the group.
 
-    Each reduction fails within ``timeout``, not within the private group's own
+    Each reduction fails within the default (training) group's timeout, not the private group's
     (the checkpointer's is 10 minutes, for restores and saves): gloo can leave
     a send of a reduction posted just before its peers died waiting for the
     op's whole timeout although both peers' connections are closed (seen as
@@ -125,16 +124,13 @@ class StepConsensus:
     Args:
         group: a gloo process group used for nothing else.
         width: how many flags are exchanged.
-        timeout: how long one reduction may take (None: the default group's,
-            the training script's choice; 60 s when it cannot be read).
     """
 
-    def __init__(
-        self, group: dist.ProcessGroup, *, width: int, timeout: datetime.timedelta | None = None
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, width: int) -> None:
         self._group = group
         self._width = width
-        self._timeout = timeout if timeout is not None else group_timeout()
+        # The default group's timeout, the training script's choice (60 s when unreadable).
+        self._timeout = group_timeout()
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def exchange(self, flags: list[int]) -> list[int]:

@@ -14,6 +14,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.support.wait import wait_for
+
 
 class ProcessGroupRegistry:
     def __init__(self) -> None:
@@ -94,3 +96,21 @@ def processes_with_env(name: str, value: str) -> list[int]:
         if state != "Z" and needle in environ.split(b"\0"):
             found.append(int(entry.name))
     return found
+
+
+def dump_stacks(logs: dict[Path, int], *, timeout: float = 5) -> set[Path]:
+    """SIGUSR1 each pid in ``logs`` (log path -> pid), whose faulthandler writes every
+    thread's stack into that log; wait up to ``timeout`` s for the logs to grow.
+
+    Returns the logs whose process was signalled (a pid already gone is skipped).
+    """
+    asked: dict[Path, int] = {}
+    for path, pid in logs.items():
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+            os.kill(pid, signal.SIGUSR1)
+            asked[path] = size
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: all(p.stat().st_size > size for p, size in asked.items()),
+                 timeout=timeout, what="the stack dumps")
+    return set(asked)

@@ -9,13 +9,10 @@ read from the failure itself.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
 from pathlib import Path
 
-from tests.support.wait import wait_for
+from tests.support.processes import dump_stacks
 
 RUNNER_PID = re.compile(r"warm runner (\d+) takes job")
 
@@ -39,17 +36,7 @@ def runner_stacks(run_root: Path, job_id: str, *, lines: int = 60) -> str:
     """SIGUSR1 every live runner of ``job_id`` under ``run_root`` (the agents' run
     directories' parent); return each runner log's last ``lines`` lines after the dump."""
     logs = sorted(run_root.glob(f"*/jobs/{job_id}/gen-*/runner.log"))
-    asked: dict[Path, int] = {}
-    for path in logs:
-        pid = runner_pid(path)
-        if pid is None:
-            continue
-        with contextlib.suppress(OSError):
-            asked[path] = path.stat().st_size
-            os.kill(pid, signal.SIGUSR1)
-    with contextlib.suppress(TimeoutError):
-        wait_for(lambda: all(p.stat().st_size > size for p, size in asked.items()),
-                 timeout=5, what="the runners' stack dumps")
+    asked = dump_stacks({path: pid for path in logs if (pid := runner_pid(path)) is not None})
     parts = []
     for path in logs:
         tail = path.read_text(errors="replace").splitlines()[-lines:]

@@ -7,7 +7,6 @@ while they train; they must save the step they were finishing, exit with
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 
 import checkpoints as ck
 from tests.integration.checkpoints.ckpt_worker import worker_argv, worker_env
-from tests.support.processes import ProcessGroupRegistry
+from tests.support.processes import ProcessGroupRegistry, dump_stacks
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,10 +49,7 @@ def wait_exit(
     try:
         wait_for(lambda: proc.poll() is not None, timeout=timeout, what=what)
     except TimeoutError as exc:
-        size = log_path.stat().st_size
-        proc.send_signal(signal.SIGUSR1)
-        with contextlib.suppress(TimeoutError):
-            wait_for(lambda: log_path.stat().st_size > size, timeout=5, what="the stack dump")
+        dump_stacks({log_path: proc.pid})
         tail = log_path.read_text(errors="replace")[-6000:]
         raise AssertionError(f"{exc}; its log ends:\n{tail}") from exc
     assert proc.returncode is not None
