@@ -83,12 +83,14 @@ def test_a_guaranteed_job_reclaims_borrowed_nodes_and_the_borrower_loses_no_step
         return None
 
     resumed = wait_for(resumed_at_1, timeout=60, what="B's worker resuming at world size 1")
-    last_at_3 = max(
+    # The reclaim may shrink B 3 -> 1 at once, or 3 -> 2 -> 1 as A's nodes come free
+    # one by one: the last step before world size 1 is the newest at any larger size.
+    last_before = max(
         int(m.group(3)) for line in _job_logs(tmp_path, b_job)
-        if (m := _STEP.search(line)) and m.group(2) == "3"
+        if (m := _STEP.search(line)) and m.group(2) != "1"
     )
     # Steps are numbered from 0: resuming at step N means N steps were kept.
-    assert resumed == last_at_3 + 1, (resumed, last_at_3)
+    assert resumed == last_before + 1, (resumed, last_before)
     wait_for(lambda: (job_view(api, a_job)["last_step"] or 0) >= 3, timeout=60,
              what="A's job training")
     queues = {q["name"]: q for q in api.get("/v1/queues").json()["queues"]}
