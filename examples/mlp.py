@@ -32,6 +32,9 @@ repeats the step from the step it returns. ``--hang-before-step K`` with
 ``--hang-node NODE`` (fault injection for the tests) makes the workers of node
 NODE (``TIDAL_NODE_ID``) stop before step K's forward, after touching
 ``--hang-file``: the others then wait in step K's gradient all-reduce.
+``--slow-node NODE`` with ``--slow-file PATH`` makes the workers of node NODE
+take ``--slow-seconds`` more in each step's forward and backward while PATH
+exists (a slow node for the straggler tests, whatever else shares the CPU).
 ``--stop-after-step K`` saves a checkpoint once K steps are complete and exits
 0; the next run resumes from it. ``--record PATH`` makes rank 0 write, at the
 end, a JSON file with the final parameters and the sample indices every rank
@@ -47,6 +50,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hang-before-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hang-node", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hang-file", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--slow-node", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--slow-file", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--slow-seconds", type=float, default=0.5, help=argparse.SUPPRESS)
     parser.add_argument(
         "--live-resize", action="store_true",
         help="take planned resizes live: re-form the process group instead of restarting",
@@ -152,8 +159,13 @@ def train_step(
     batches: Any,
     plan: ck.BatchPlan,
     optimizer: torch.optim.Optimizer,
+    *,
+    pause: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """One optimizer step over this rank's micro-batches; returns (local mean loss, samples)."""
+    """One optimizer step over this rank's micro-batches; returns (local mean loss, samples).
+
+    ``pause`` (fault injection) is called between each forward and its backward.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
     samples: list[int] = []
@@ -165,6 +177,8 @@ def train_step(
         sync_ctx = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
         with sync_ctx:
             per_sample = ((model(x) - y) ** 2).sum(dim=1)
+            if pause is not None:
+                pause()
             (per_sample.sum() * plan.loss_scale).backward()
         loss_sum += per_sample.detach().sum().to(loss_sum.dtype)
         samples.extend(index.tolist())
@@ -220,6 +234,22 @@ def maybe_hang(args: argparse.Namespace, step: int) -> None:
     log.warning("hanging before step %d (fault injection)", step)
     while True:
         time.sleep(3600)
+
+
+def slow_pause(args: argparse.Namespace) -> Callable[[], None] | None:
+    """Fault injection: on ``--slow-node``, a pause of ``--slow-seconds`` while ``--slow-file``
+    exists (inside the step's own work, which :mod:`checkpoints.pace` times)."""
+    if args.slow_node is None or os.environ.get("TIDAL_NODE_ID") != args.slow_node:
+        return None
+    if args.slow_file is None:
+        raise SystemExit("--slow-node needs --slow-file")
+    slow_file, seconds = args.slow_file, args.slow_seconds
+
+    def pause() -> None:
+        if slow_file.exists():
+            time.sleep(seconds)
+
+    return pause
 
 
 def write_record(
@@ -294,11 +324,12 @@ def train(args: argparse.Namespace, *, rank: int, world_size: int) -> None:
     pipeline.rebuild(rank=rank, world_size=world_size, step=resume.step)  # DDP after restore
     taken: list[list[Any]] = []
     step = resume.step
+    pause = slow_pause(args)
     while step < end_step:
         maybe_hang(args, step)
         try:
             loss, samples = train_step(pipeline.ddp_model, pipeline.batches,
-                                       pipeline.sampler.plan, optimizer)
+                                       pipeline.sampler.plan, optimizer, pause=pause)
         except Exception as exc:
             # A peer died during the step: with --live-resize the group re-forms
             # around the survivors and the step is repeated (else this raises again).

@@ -2,17 +2,26 @@
 
 A real coordinator and four real agents (a, b, c, d) run examples/mlp.py
 --live-resize, compute-bound (no pause between steps), min 2 / max 3: it starts
-on a, b and c; d is the spare. Once the job trains, c's workers are throttled to
-about a third of their speed by a SIGSTOP/SIGCONT duty cycle (:class:`Throttle`).
-(Half speed is not enough on this machine: three compute-bound workers share two
-cores, so the CPU a throttled worker gives up speeds the other two up, and a 50%
-duty cycle measures about 1.35x, at the default factor of 1.3.) The
+on a, b and c; d is the spare. Once the job trains, c is made slow: its workers
+take 1 s more in each step's forward and backward (mlp.py's ``--slow-node``,
+while the test's slow file exists), several times their own work. The
 checkpoints library measures each rank's own pace, the runner reports each
 node's, and the coordinator's pass finds c a straggler and evicts it: c's runner
 leaves by the live path, a and b re-form in place (resized_live), d takes the
 slot, and c shows ``slow`` in ``GET /v1/nodes``. Rank 0 logs every step exactly
 once (0 steps lost, none redone). Before that, neither every node alike nor c
-with single slow steps (stopped 0.6 s every 3 s: noisy, not slower) evicts anything.
+with single slow steps (SIGSTOPped 0.6 s every 3 s: noisy, not slower) evicts anything.
+
+Why a pause and not a CPU throttle: a SIGSTOP/SIGCONT duty cycle on c's workers
+(stopped two thirds of every 40 ms, :class:`Throttle`) measured c at 2.1x its
+peers alone, but at 1.32x with two busy loops beside the test (the scheduler
+gives a task that was stopped its CPU back first, ahead of the tasks that kept
+running), and a CI run, with another scenario test on the same two cores, took
+83 steps to cross the factor of 1.3. The pause is slow by the same amount
+whoever else runs (a 0.5 s pause measured c at 1.35x to 3.15x with the busy
+loops: 1 s keeps c over the factor while its peers' steps take up to 3 s).
+The benchmark (tests/bench/bench_stragglers.py), on a quiet machine, keeps the
+duty cycle.
 """
 
 from __future__ import annotations
@@ -123,7 +132,7 @@ def evictions(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
+def test_a_slow_node_is_evicted_live_and_the_spare_takes_its_slot(
     tmp_path: Path, cluster: tuple[CoordinatorProcess, AgentCluster],
 ) -> None:
     coordinator, agents = cluster
@@ -134,8 +143,10 @@ def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
              timeout=60, what="nodes a, b, c, d registered")
     wait_for(lambda: all(warm_runner_ready(tmp_path / n) for n in "abcd"), timeout=240,
              what="every agent's warm runner ready")
+    slow_file = tmp_path / "c-is-slow"
     command = [sys.executable, str(MLP), "--checkpoint-dir", str(tmp_path / "ckpt"), *ARGS,
-               "--live-resize"]
+               "--live-resize", "--slow-node", "c", "--slow-file", str(slow_file),
+               "--slow-seconds", "1.0"]
     response = api.post("/v1/jobs", json={
         "name": "stragglers", "command": command, "env": {"OMP_NUM_THREADS": "1"},
         "min_nodes": 2, "max_nodes": 3, "grace_period_s": 20,
@@ -169,17 +180,17 @@ def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
 
     throttled_at = time.time()
     first_slow = rank0_steps(tmp_path)[-1].step + 1
-    throttle = Throttle(pids).start()
+    slow_file.touch()
     try:
         (evicted,) = wait_for(lambda: evictions(api, job_id), timeout=120,
                               what="c evicted as a straggler")
     finally:
-        throttle.stop()
+        slow_file.unlink(missing_ok=True)
     evicted_at = time.time()
     assert evicted["nodes"] == ["c"], evicted
     detected = [s for s in rank0_steps(tmp_path) if s.time <= evicted_at][-1].step
     steps_to_detection = detected - first_slow + 1
-    log.info("c evicted after %d throttled steps: %s", steps_to_detection, evicted["message"])
+    log.info("c evicted after %d slow steps: %s", steps_to_detection, evicted["message"])
 
     # The spare takes the slot; a and b re-formed in place; c shows slow.
     wait_for(lambda: running_at(api, job_id, {"a", "b", "d"}), timeout=120,
@@ -204,7 +215,7 @@ def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
     before = step_time(tmp_path, after=0.0, before=throttled_at, size=3)
     during = step_time(tmp_path, after=throttled_at, before=evicted_at, size=3)
     after = step_time(tmp_path, after=with_d[4].time, before=with_d[25].time, size=3)
-    log.info("step time: %.3f s before, %.3f s throttled, %.3f s after (%.2fx before); "
+    log.info("step time: %.3f s before, %.3f s with c slow, %.3f s after (%.2fx before); "
              "detected after %d steps", before, during, after, after / before,
              steps_to_detection)
 
@@ -221,6 +232,6 @@ def test_a_throttled_node_is_evicted_live_and_the_spare_takes_its_slot(
     # wall-clock step time is mostly theirs (a CI run measured 0.46 s a step before the
     # throttle, 0.35 s during it and 0.40 s after). What does not depend on the
     # neighbours: c's own pace against its peers' (the slow record's ratio, above), and
-    # that the throttle was found while it ran (a window's worth of slow steps, and the
-    # few seconds a pace takes to reach the coordinator).
+    # that c was found while it was slow (a window's worth of slow steps, and the few
+    # seconds a pace takes to reach the coordinator).
     assert steps_to_detection <= 4 * WINDOW, steps_to_detection
