@@ -73,8 +73,8 @@ from agent.spec import (
 )
 from agent.workers.jobpaths import JobSetupError, check_job_paths
 from agent.workers.user import lookup, private_dir
-from rendezvous.errors import EtcdError
-from rendezvous.etcd import EtcdClient, WatchEvent, create_client
+from rendezvous.errors import EtcdError, EtcdUnavailableError
+from rendezvous.etcd import EtcdClient, WatchEvent, create_client_waiting
 from rendezvous.records import (
     Assignment,
     JobNodeStatus,
@@ -199,11 +199,14 @@ class Agent:
         self.gpus.start(on_change=self._wake.set)  # before the warm runner: slots are GPUs
         self._keep_warm()  # first: its imports overlap with everything below
         registration: NodeRegistration | None = None
-        try:
-            self._client = client = create_client(settings.etcd_config())
-        except BaseException:
+        try:  # etcd may start after the agent, or be too loaded to answer at once
+            self._client = client = create_client_waiting(settings.etcd_config(),
+                                                          stop=self._stop)
+        except BaseException as exc:
             self.warm.discard()
             self.gpus.stop()
+            if isinstance(exc, EtcdUnavailableError) and self._stop.is_set():
+                return  # stopped while waiting for etcd
             raise
         try:
             self._serve_logs()

@@ -37,7 +37,8 @@ from pydantic import ValidationError
 
 from agent.node.gpus import NodeGpus
 from agent.node.settings import AgentSettings
-from rendezvous.etcd import EtcdClient
+from rendezvous.errors import EtcdUnavailableError
+from rendezvous.etcd import STARTUP_WAIT_S, EtcdClient
 from rendezvous.records import (
     RUNNER_RANK,
     Assignment,
@@ -153,21 +154,32 @@ class NodeOffer:
 
         A restarted agent finds its node id still held by the lease of the
         process it replaces until that lease expires (at most one TTL), or
-        until ``stop`` is set.
+        until ``stop`` is set. While etcd does not answer, it tries again for
+        up to :data:`~rendezvous.etcd.STARTUP_WAIT_S` (a try whose write was
+        applied although its answer never came holds the id under a lease
+        nobody keeps alive: the wait for an earlier lease covers it).
         """
         registry = NodeRegistry(client)
         ttl_s = self._settings.lease_ttl_s
-        deadline = time.monotonic() + ttl_s + 2
+        held_until: float | None = None  # from the first time the id was found held
+        unavailable_until = time.monotonic() + STARTUP_WAIT_S
         while True:
             try:
                 self.registration = registry.register(self.info(), ttl_s=ttl_s)
                 self._gpus.confirm()
                 return self.registration
             except NodeAlreadyRegisteredError:
-                if time.monotonic() > deadline or stop.is_set():
+                if held_until is None:
+                    held_until = time.monotonic() + ttl_s + 2
+                if time.monotonic() > held_until or stop.is_set():
                     raise
                 log.info("node id %s is held by an earlier lease; waiting", self._node_id)
                 stop.wait(0.5)
+            except EtcdUnavailableError as exc:
+                if time.monotonic() > unavailable_until or stop.is_set():
+                    raise
+                log.warning("registering node %s: %s; trying again", self._node_id, exc)
+                stop.wait(1.0)
 
     def follow(self, runners: Mapping[str, HeldRunner]) -> None:
         """Publish changed GPU records; take a job off a GPU that failed, as if the node died.

@@ -33,7 +33,12 @@ from rendezvous.etcd.endpoints import (  # noqa: E402
     SILENT_QUARANTINE_S,
     EndpointPicker,
 )
-from rendezvous.etcd.facade import EtcdClient, create_client  # noqa: E402
+from rendezvous.etcd.facade import (  # noqa: E402
+    STARTUP_WAIT_S,
+    EtcdClient,
+    create_client,
+    create_client_waiting,
+)
 from rendezvous.etcd.keepalive import KeepAliveStream  # noqa: E402
 from rendezvous.etcd.stream import WatchStream  # noqa: E402
 from rendezvous.etcd.types import (  # noqa: E402
@@ -55,6 +60,7 @@ __all__ = [
     "MAX_QUARANTINE_S",
     "REFUSED_QUARANTINE_S",
     "SILENT_QUARANTINE_S",
+    "STARTUP_WAIT_S",
     "Compare",
     "CompareOp",
     "CompareTarget",
@@ -72,6 +78,7 @@ __all__ = [
     "WatchEvent",
     "WatchStream",
     "create_client",
+    "create_client_waiting",
     "parse_endpoint",
     "prefix_range_end",
 ]

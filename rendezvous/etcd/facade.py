@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -548,4 +549,43 @@ def create_client(config: EtcdConfig, *, probe: bool = True) -> EtcdClient:
     return client
 
 
-__all__ = ["EtcdClient", "create_client"]
+#: How long a daemon (agent, coordinator) waits at start for etcd to answer: etcd may
+#: start after it, or be too loaded to answer within the client's timeout (a test run on
+#: 2 cores saw an agent's first status call time out after 5 s while its peers started).
+STARTUP_WAIT_S = 60.0
+
+
+def create_client_waiting(
+    config: EtcdConfig,
+    *,
+    wait_s: float = STARTUP_WAIT_S,
+    stop: threading.Event | None = None,
+    retry_s: float = 1.0,
+) -> EtcdClient:
+    """:func:`create_client`, tried again while etcd does not answer, for up to ``wait_s``.
+
+    Each failed try is logged (a warning naming the endpoint and why). Refused
+    credentials or an unusable configuration raise at once: they do not mend.
+
+    Raises:
+        EtcdUnavailableError: the last try's, once ``wait_s`` is over or ``stop`` is set.
+        EtcdAuthError, EtcdError: as :func:`create_client`, at once.
+    """
+    deadline = time.monotonic() + wait_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return create_client(config)
+        except EtcdUnavailableError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                raise
+            log.warning("%s; trying again (try %d, %.0f s left)", exc, tries, left)
+            if stop is not None:
+                stop.wait(min(retry_s, left))
+            else:
+                time.sleep(min(retry_s, left))
+
+
+__all__ = ["STARTUP_WAIT_S", "EtcdClient", "create_client", "create_client_waiting"]

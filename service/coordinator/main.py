@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from rendezvous.election import Election
-from rendezvous.etcd import EtcdClient, create_client
+from rendezvous.etcd import EtcdClient, create_client_waiting
 from service.coordinator.app import create_app
 from service.coordinator.metrics import ClusterCollector, CoordinatorMetrics
 from service.coordinator.reconciler import Reconciler
@@ -44,7 +44,8 @@ class Coordinator:
         self.token = settings.resolve_token()
         tokens_file = settings.queue_tokens_file
         self.queue_tokens = load_queue_tokens(tokens_file) if tokens_file is not None else {}
-        self.client: EtcdClient = create_client(settings.etcd_config())
+        # etcd may start after the coordinator, or be too loaded to answer at once.
+        self.client: EtcdClient = create_client_waiting(settings.etcd_config())
         self.store = JobStore(self.client)
         self.registry = CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from rendezvous.etcd import (
     Get,
     Put,
     create_client,
+    create_client_waiting,
 )
 from rendezvous.etcd.server import EtcdServer, free_port
 from tests.integration.rendezvous.etcd_cluster import wait_stopped
@@ -155,6 +159,77 @@ def test_an_unreachable_endpoint_fails_within_the_timeout() -> None:
         assert time.monotonic() - started < config.timeout_s + MARGIN_S
     finally:
         client.close()
+
+
+class _Tries(logging.Handler):
+    """Counts create_client_waiting's "trying again" warnings; ``first`` is set at the first."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "trying again" in record.getMessage():
+            self.count += 1
+            self.first.set()
+
+
+@pytest.fixture
+def tries() -> Iterator[_Tries]:
+    handler = _Tries()
+    logger = logging.getLogger("rendezvous.etcd")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_daemon_started_before_etcd_waits_for_it(tmp_path: Path, tries: _Tries) -> None:
+    """An agent or coordinator may start before etcd, or while it is too loaded to answer
+    (a test run saw an agent's first call time out and the agent exit): it tries again."""
+    port = free_port()
+    config = EtcdConfig(endpoints=[f"127.0.0.1:{port}"], timeout_s=1.0)
+    got: list[EtcdClient | BaseException] = []
+
+    def connect() -> None:
+        try:
+            got.append(create_client_waiting(config, wait_s=120, retry_s=0.2))
+        except BaseException as exc:  # reported by the test below
+            got.append(exc)
+
+    thread = threading.Thread(target=connect, name="connect")
+    thread.start()
+    server = EtcdServer(data_dir=tmp_path / "etcd", client_port=port)
+    try:
+        assert tries.first.wait(30), "no failed try was logged"
+        server.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and len(got) == 1, got
+        client = got[0]
+        assert isinstance(client, EtcdClient), client
+        with client:
+            client.put(client.keys.job("late"), b"x")
+            kv = client.get(client.keys.job("late"))
+            assert kv is not None and kv.value == b"x"
+        assert tries.count >= 1
+    finally:
+        server.cleanup()
+        thread.join(timeout=60)
+
+
+def test_waiting_for_etcd_ends_with_the_last_error(tries: _Tries) -> None:
+    config = EtcdConfig(endpoints=[f"127.0.0.1:{free_port()}"], timeout_s=0.5)
+    with pytest.raises(EtcdUnavailableError, match="did not answer"):
+        create_client_waiting(config, wait_s=1.0, retry_s=0.1)
+    assert tries.count >= 1  # tried more than once before giving up
+    stop = threading.Event()
+    stop.set()
+    seen = tries.count
+    with pytest.raises(EtcdUnavailableError):  # stopped: the first failure is the last
+        create_client_waiting(config, wait_s=600, stop=stop)
+    assert tries.count == seen
 
 
 def test_a_paused_etcd_fails_calls_within_the_timeout_instead_of_hanging(

@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rendezvous.errors import EtcdAuthError, EtcdError, EtcdUnavailableError
-from rendezvous.etcd import EtcdClient, EtcdConfig, create_client
+from rendezvous.etcd import EtcdClient, EtcdConfig, create_client, create_client_waiting
 from rendezvous.etcd.server import EtcdServer, etcd_version, find_etcd_binary, free_port
 from tests.support.agents import AgentCluster
 from tests.support.coordinator import CoordinatorProcess, job_spec
@@ -561,6 +561,10 @@ def test_wrong_password_is_an_auth_error_naming_the_user(
     error = _refused_within_timeout(config)
     assert "authenticate user 'tidal-agent'" in str(error)
     assert "invalid user ID or password" in str(error)
+    # A daemon's start waits for an etcd that does not answer, not for one that refuses
+    # its password: that raises at once (were it tried again, this would wait 10 minutes).
+    with pytest.raises(EtcdAuthError, match="invalid user ID or password"):
+        create_client_waiting(config, wait_s=600).close()
 
 
 def test_clients_keep_working_when_setup_auth_runs_again(
