@@ -484,6 +484,10 @@ class Checkpointer(LiveResizing):
             assert self._group is not None
             dist.barrier(group=self._group)  # nobody leaves before the checkpoint is committed
         self.close()
+        # The private group goes now, not at interpreter exit (StepConsensus explains why).
+        consensus, self._consensus, self._group = self._consensus, None, None
+        if consensus is not None:
+            consensus.destroy()
         raise SystemExit(EXIT_PREEMPTED)
 
     def _save(self, step: int, *, wait_for_previous: bool, block: bool) -> bool:

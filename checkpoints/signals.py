@@ -111,7 +111,7 @@ class StepConsensus:
     """Agrees on integer flags across ranks, one step late (all-reduce MAX, in the background).
 
     Every rank must call :meth:`exchange` the same number of times, and
-    :meth:`drain` before it leaves the group.
+    :meth:`drain` (or :meth:`destroy`) before it leaves the group.
 
     Each reduction fails within the default (training) group's timeout, not the private group's
     (the checkpointer's is 10 minutes, for restores and saves): gloo can leave
@@ -121,17 +121,25 @@ class StepConsensus:
     two peers were dead), in :meth:`drain` and again in the group's destructor
     at interpreter exit.
 
+    The flags travel in one tensor that this object holds for its whole life. A
+    gloo worker thread can hold an operation a little after it completed (a
+    barrier holds the reductions posted before it); if Python had dropped the
+    operation's tensor by then, releasing it takes the GIL, and at interpreter
+    exit that aborts the process ("terminate called without an active
+    exception", SIGABRT: a rank stopped on SIGTERM exited -6 instead of 75).
+
     Args:
-        group: a gloo process group used for nothing else.
+        group: a gloo process group used for nothing else; :meth:`destroy` destroys it.
         width: how many flags are exchanged.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, width: int) -> None:
-        self._group = group
+        self._group: dist.ProcessGroup | None = group
         self._width = width
         # The default group's timeout, the training script's choice (60 s when unreadable).
         self._timeout = group_timeout()
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._flags = torch.zeros(width, dtype=torch.int64)
+        self._pending: Any = None  # the reduction in flight (a c10d Work)
 
     def exchange(self, flags: list[int]) -> list[int]:
         """Send this step's flags; return the MAX over ranks of the previous call's flags.
@@ -140,20 +148,33 @@ class StepConsensus:
         """
         if len(flags) != self._width:
             raise ValueError(f"expected {self._width} flags, got {len(flags)}")
+        if self._group is None:
+            raise RuntimeError("the step consensus was destroyed")
         agreed = self.drain()
-        tensor = torch.tensor(flags, dtype=torch.int64)
+        self._flags.copy_(torch.tensor(flags, dtype=torch.int64))
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         options.timeout = self._timeout
-        work = self._group.allreduce([tensor], options)
-        self._pending = (work, tensor)
+        self._pending = self._group.allreduce([self._flags], options)
         return agreed
 
     def drain(self) -> list[int]:
         """Wait for the reduction in flight; return its result (zeros if none)."""
         if self._pending is None:
             return [0] * self._width
-        work, tensor = self._pending
-        self._pending = None
+        work, self._pending = self._pending, None
         work.wait()
-        return [int(v) for v in tensor.tolist()]
+        return [int(v) for v in self._flags.tolist()]
+
+    def destroy(self) -> None:
+        """Drain, then destroy the group and join its threads now, while the interpreter is whole.
+
+        The caller must hold no other reference to the group: the last one goes
+        here, and with it the group's threads (they hold no tensor Python dropped).
+        """
+        self.drain()
+        group, self._group = self._group, None
+        if group is None:
+            return
+        dist.destroy_process_group(group)
+        del group  # the last reference: ProcessGroupGloo's destructor joins its threads

@@ -178,9 +178,9 @@ class StepBoundary:
             self._pace = None
         if self.progress is not None:
             self.progress.flush()
-        if self._group is not None:
-            group, self._group, self._consensus = self._group, None, None
-            dist.destroy_process_group(group)
+        consensus, self._consensus, self._group = self._consensus, None, None
+        if consensus is not None:  # destroys the private group (StepConsensus.destroy)
+            consensus.destroy()
 
 
 def _distributed() -> bool:

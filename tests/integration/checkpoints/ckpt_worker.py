@@ -238,9 +238,27 @@ def consensus(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def destroy(args: argparse.Namespace) -> None:
+    """Both ranks exchange step flags, then destroy the flags' group; each logs its thread
+    count before and after (``threads before N after M``)."""
+    init_distributed(args.init_file)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+    flags = StepConsensus(group, width=2)
+    del group  # the consensus holds the only reference, as in the checkpointer
+    for step in range(5):
+        flags.exchange([step, 0])
+    flags.drain()
+    before = len(os.listdir("/proc/self/task"))
+    flags.destroy()
+    after = len(os.listdir("/proc/self/task"))
+    log.info("threads before %d after %d", before, after)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "zygote", "sharded", "consensus"])
+    parser.add_argument("mode", choices=["train", "zygote", "sharded", "consensus", "destroy"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--total-steps", type=int, default=10**9)
@@ -255,7 +273,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test dumps the stacks
-    modes = {"train": train, "zygote": zygote, "sharded": sharded, "consensus": consensus}
+    modes = {"train": train, "zygote": zygote, "sharded": sharded, "consensus": consensus,
+             "destroy": destroy}
     modes[args.mode](args)
 
 
