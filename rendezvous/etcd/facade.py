@@ -572,6 +572,7 @@ def create_client_waiting(
         EtcdAuthError, EtcdError: as :func:`create_client`, at once.
     """
     deadline = time.monotonic() + wait_s
+    pause = stop if stop is not None else threading.Event()  # an event nobody sets: a sleep
     tries = 0
     while True:
         tries += 1
@@ -579,13 +580,10 @@ def create_client_waiting(
             return create_client(config)
         except EtcdUnavailableError as exc:
             left = deadline - time.monotonic()
-            if left <= 0 or (stop is not None and stop.is_set()):
+            if left <= 0 or pause.is_set():
                 raise
             log.warning("%s; trying again (try %d, %.0f s left)", exc, tries, left)
-            if stop is not None:
-                stop.wait(min(retry_s, left))
-            else:
-                time.sleep(min(retry_s, left))
+            pause.wait(min(retry_s, left))
 
 
 __all__ = ["STARTUP_WAIT_S", "EtcdClient", "create_client", "create_client_waiting"]
