@@ -432,6 +432,9 @@ class Checkpointer(LiveResizing):
     def close(self) -> None:
         """Finish the save in flight, stop handling SIGTERM, write a last progress report.
 
+        Collective with a process group (every rank drains the step flags' reduction);
+        the checkpointer's private group is destroyed here (its threads joined).
+
         Raises:
             CheckpointWriteError: when the last save failed.
         """
@@ -442,8 +445,10 @@ class Checkpointer(LiveResizing):
             self._jit.disarm()
         self._saver.close()  # the save in flight; the optimizer's pre-step hook goes
         self._poll_writer()
-        if self._consensus is not None:
-            self._consensus.drain()
+        # The flags' private group goes now, not at interpreter exit (StepConsensus says why).
+        consensus, self._consensus, self._group = self._consensus, None, None
+        if consensus is not None:
+            consensus.destroy()  # drains the reduction in flight first
         self._stop.uninstall()
         self._progress.flush()
         self._pace.close()
@@ -483,11 +488,7 @@ class Checkpointer(LiveResizing):
             self._consensus.drain()
             assert self._group is not None
             dist.barrier(group=self._group)  # nobody leaves before the checkpoint is committed
-        self.close()
-        # The private group goes now, not at interpreter exit (StepConsensus explains why).
-        consensus, self._consensus, self._group = self._consensus, None, None
-        if consensus is not None:
-            consensus.destroy()
+        self.close()  # destroys the private group
         raise SystemExit(EXIT_PREEMPTED)
 
     def _save(self, step: int, *, wait_for_previous: bool, block: bool) -> bool:

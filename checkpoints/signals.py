@@ -127,6 +127,8 @@ class StepConsensus:
     operation's tensor by then, releasing it takes the GIL, and at interpreter
     exit that aborts the process ("terminate called without an active
     exception", SIGABRT: a rank stopped on SIGTERM exited -6 instead of 75).
+    Its owners call :meth:`destroy` when done (``Checkpointer.close``,
+    ``StepBoundary.end``), so that no thread of the group is left for the exit.
 
     Args:
         group: a gloo process group used for nothing else; :meth:`destroy` destroys it.

@@ -42,8 +42,10 @@ def test_an_agent_started_before_etcd_registers_once_etcd_answers(
             registry = NodeRegistry(client)
             wait_for(lambda: registry.get("early"), timeout=90,
                      what=f"node early registered\n{agents.log_tails()}")
+        # Registered, then serving its metrics and watching its assignments: ready.
+        wait_for(lambda: " ready (run dir " in log.read_text(), timeout=60,
+                 what=f"the agent ready\n{agents.log_tails()}")
         assert agent.poll() is None, agents.log_tails()
-        assert "ready" in log.read_text()
     finally:
         procs.stop_all()
         server.cleanup()
