@@ -166,21 +166,20 @@ class StepBoundary:
             self.progress.flush()
 
     def end(self) -> None:
-        """Training ended: drain the reduction in flight, stop handling SIGTERM, report.
+        """Training ended: drain the reduction in flight and destroy the private group, stop
+        handling SIGTERM, report.
 
         Collective when there is a private group (every rank's training ends together).
         """
-        if self._consensus is not None:
-            self._consensus.drain()
+        consensus, self._consensus, self._group = self._consensus, None, None
+        if consensus is not None:  # drains first (StepConsensus.destroy)
+            consensus.destroy()
         self.signal.uninstall()
         if self._pace is not None:
             self._pace.close()
             self._pace = None
         if self.progress is not None:
             self.progress.flush()
-        consensus, self._consensus, self._group = self._consensus, None, None
-        if consensus is not None:  # destroys the private group (StepConsensus.destroy)
-            consensus.destroy()
 
 
 def _distributed() -> bool:
